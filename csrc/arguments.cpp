@@ -1,0 +1,104 @@
+#include "arguments.h"
+
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+
+#include "batched_decode_attention.h"
+#include "mlx/utils.h"
+
+namespace mlx_batched_decode {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& what) {
+  throw std::invalid_argument("[batched_decode_attention] " + what);
+}
+
+std::string shape_str(const mx::array& a) {
+  std::ostringstream s;
+  s << "(";
+  for (int i = 0; i < a.ndim(); ++i) {
+    s << (i ? ", " : "") << a.shape(i);
+  }
+  s << (a.ndim() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+std::string dtype_str(mx::Dtype t) {
+  std::ostringstream s;
+  s << t;
+  return s.str();
+}
+
+bool is_supported_dtype(mx::Dtype t) {
+  return t == mx::float16 || t == mx::bfloat16 || t == mx::float32;
+}
+
+} // namespace
+
+DecodeShape check_arguments(
+    const mx::array& queries,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& valid_lens,
+    std::optional<float> scale) {
+  if (queries.ndim() != 4 || queries.shape(2) != 1) {
+    fail("queries must have shape [B, H_q, 1, D], got " + shape_str(queries) + ".");
+  }
+  if (keys.ndim() != 4) {
+    fail("keys must have shape [B, H_kv, T, D], got " + shape_str(keys) + ".");
+  }
+  if (values.shape() != keys.shape()) {
+    fail("values must have the shape of keys " + shape_str(keys) + ", got " +
+         shape_str(values) + ".");
+  }
+  DecodeShape d{
+      queries.shape(0), queries.shape(1), keys.shape(1), 0, keys.shape(2), queries.shape(3)};
+  if (keys.shape(0) != d.B) {
+    fail("keys have batch size " + std::to_string(keys.shape(0)) + " but queries have " +
+         std::to_string(d.B) + ".");
+  }
+  if (keys.shape(3) != d.D) {
+    fail("keys have head dim " + std::to_string(keys.shape(3)) + " but queries have " +
+         std::to_string(d.D) + ".");
+  }
+  if (d.H_q < 1 || d.H_kv < 1 || d.H_q % d.H_kv != 0) {
+    fail("the number of query heads (" + std::to_string(d.H_q) +
+         ") must be a positive multiple of the number of key/value heads (" +
+         std::to_string(d.H_kv) + ").");
+  }
+  d.G = d.H_q / d.H_kv;
+  bool head_dim_ok = false;
+  for (int hd : kHeadDims) {
+    head_dim_ok |= hd == d.D;
+  }
+  if (!head_dim_ok) {
+    fail("head dim " + std::to_string(d.D) +
+         " is not supported; supported head dims are 64, 80, 96, 128, 256.");
+  }
+  if (!is_supported_dtype(queries.dtype())) {
+    fail("queries must be float16, bfloat16 or float32, got " + dtype_str(queries.dtype()) + ".");
+  }
+  if (keys.dtype() != queries.dtype() || values.dtype() != queries.dtype()) {
+    fail("queries, keys and values must share one dtype, got " + dtype_str(queries.dtype()) +
+         ", " + dtype_str(keys.dtype()) + " and " + dtype_str(values.dtype()) + ".");
+  }
+  if (valid_lens.ndim() != 1 || valid_lens.shape(0) != d.B) {
+    fail("valid_lens must have shape [B] = (" + std::to_string(d.B) + ",), got " +
+         shape_str(valid_lens) + ".");
+  }
+  if (!mx::issubdtype(valid_lens.dtype(), mx::integer)) {
+    fail("valid_lens must have an integer dtype, got " + dtype_str(valid_lens.dtype()) + ".");
+  }
+  if (scale && !std::isfinite(*scale)) {
+    fail("scale must be finite, got " + std::to_string(*scale) + ".");
+  }
+  return d;
+}
+
+float resolve_scale(std::optional<float> scale, int head_dim) {
+  return scale.value_or(1.0f / std::sqrt(static_cast<float>(head_dim)));
+}
+
+} // namespace mlx_batched_decode

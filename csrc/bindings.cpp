@@ -1,0 +1,88 @@
+// The nanobind module: bindings only, no logic.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "batched_decode_attention.h"
+#include "cpu/isa.h"
+#include "cpu/parallel_decode.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mbd = mlx_batched_decode;
+
+NB_MODULE(_ext, m) {
+  // mlx.core registers the array and stream types this module passes around.
+  nb::module_::import_("mlx.core");
+  m.doc() = "Native core of mlx_batched_decode: the primitive and its CPU kernel.";
+
+  m.def(
+      "batched_decode_attention",
+      &mbd::batched_decode_attention,
+      "queries"_a,
+      "keys"_a,
+      "values"_a,
+      "valid_lens"_a,
+      nb::kw_only(),
+      "scale"_a = nb::none(),
+      "stream"_a = nb::none(),
+      nb::sig(
+          "def batched_decode_attention(queries: mlx.core.array, keys: mlx.core.array, "
+          "values: mlx.core.array, valid_lens: mlx.core.array, *, scale: float | None = None, "
+          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
+      R"(Batched decode attention over per-request key/value lengths.
+
+Dimension legend: B requests, H_q query heads, H_kv key/value heads
+(G = H_q / H_kv query heads share one KV head), T padded length, D head dim
+(64, 80, 96, 128 or 256).
+
+Args:
+    queries (array): [B, H_q, 1, D], float16, bfloat16 or float32.
+    keys (array): [B, H_kv, T, D], same dtype. May be a strided view of a
+        larger cache (e.g. ``cache[:, :, :T]``); it is read in place.
+    values (array): [B, H_kv, T, D], same dtype and shape as keys.
+    valid_lens (array): [B], integer. Request b attends to positions
+        0 .. valid_lens[b]-1; the rest is never read (NaN there is harmless).
+        Lengths are clamped to [0, T].
+    scale (float, optional): score scale, default 1/sqrt(D).
+    stream (Stream or Device, optional): where to run, keyword only.
+
+Returns:
+    array: [B, H_q, 1, D] in the queries' dtype, accumulated in float32. A
+    request with length 0 gets zeros.
+
+Raises:
+    ValueError: malformed arguments, before any work is queued.)");
+
+  m.def(
+      "reference_attention",
+      &mbd::reference_attention,
+      "queries"_a,
+      "keys"_a,
+      "values"_a,
+      "valid_lens"_a,
+      nb::kw_only(),
+      "scale"_a = nb::none(),
+      "stream"_a = nb::none(),
+      nb::sig(
+          "def reference_attention(queries: mlx.core.array, keys: mlx.core.array, "
+          "values: mlx.core.array, valid_lens: mlx.core.array, *, scale: float | None = None, "
+          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
+      R"(``batched_decode_attention`` in plain MLX ops (float32 softmax with a
+length mask). Same arguments, shapes and errors; slower, differentiable, and
+the fallback the primitive uses for vjp, jvp and vmap.)");
+
+  m.def("cpu_kernel_calls", &mbd::cpu::kernel_calls,
+        "Number of times the fused CPU kernel has run in this process.");
+  m.def("cpu_isa", &mbd::cpu::current_isa,
+        "Instruction-set variant of the CPU kernel in use ('avx2' or 'baseline').");
+  m.def("cpu_isas", &mbd::cpu::available_isas,
+        "CPU kernel variants this build has and this CPU supports, best last.");
+  m.def("set_cpu_isa", &mbd::cpu::set_isa, "name"_a,
+        "Selects the CPU kernel variant (for tests and benchmarks); ValueError "
+        "if it is not available.");
+  m.def("cpu_threads", &mbd::cpu::max_threads,
+        "Threads that serve one CPU kernel call (pool plus caller).");
+}

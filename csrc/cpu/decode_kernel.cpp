@@ -1,0 +1,186 @@
+// The CPU decode attention kernel. This file is compiled once per instruction
+// set (see CMakeLists.txt); MBD_CPU_ISA names the namespace of each copy.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu/convert.h"
+#include "cpu/decode_args.h"
+#include "cpu/kernel_table.h"
+
+namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
+
+namespace {
+
+// Keys scored before the accumulator is rescaled: one exp per key and head,
+// one rescale per block instead of one per key.
+constexpr int kBlock = 32;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <int D>
+inline float dot(const float* __restrict a, const float* __restrict b) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int i = 0; i < D; ++i) {
+    s += a[i] * b[i];
+  }
+  return s;
+}
+
+template <int D>
+inline void axpy(float* __restrict y, float a, const float* __restrict x) {
+#pragma omp simd
+  for (int i = 0; i < D; ++i) {
+    y[i] += a * x[i];
+  }
+}
+
+// Per-thread scratch: scaled queries [G, D], scores [G, kBlock], one row [D].
+struct Scratch {
+  std::vector<float> buf;
+  float* q;
+  float* scores;
+  float* row;
+
+  void reserve(int G, int D) {
+    size_t need = static_cast<size_t>(G) * (D + kBlock) + D;
+    if (buf.size() < need) {
+      buf.resize(need);
+    }
+    q = buf.data();
+    scores = q + static_cast<size_t>(G) * D;
+    row = scores + static_cast<size_t>(G) * kBlock;
+  }
+};
+
+thread_local Scratch tls_scratch;
+
+template <typename T, int D>
+void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialState st) {
+  const int G = a.G;
+  Scratch& s = tls_scratch;
+  s.reserve(G, D);
+
+  const T* q = static_cast<const T*>(a.queries) + b * a.q_stride[0];
+  for (int g = 0; g < G; ++g) {
+    const T* qr = q + static_cast<int64_t>(h * G + g) * a.q_stride[1];
+    for (int i = 0; i < D; ++i) {
+      s.q[g * D + i] = static_cast<float>(qr[i * a.q_stride[2]]) * a.scale;
+    }
+    st.m[g] = kNegInf;
+    st.l[g] = 0.0f;
+    std::fill_n(st.acc + g * D, D, 0.0f);
+  }
+
+  const T* kh = static_cast<const T*>(a.keys) + b * a.k_stride[0] + h * a.k_stride[1];
+  const T* vh = static_cast<const T*>(a.values) + b * a.v_stride[0] + h * a.v_stride[1];
+  for (int t = t0; t < t1; t += kBlock) {
+    const int n = std::min(kBlock, t1 - t);
+
+    // Each key row is read once and scored against all G query heads.
+    for (int j = 0; j < n; ++j) {
+      const float* k = load_row<T, D>(kh + (t + j) * a.k_stride[2], a.k_stride[3], s.row);
+      for (int g = 0; g < G; ++g) {
+        s.scores[g * kBlock + j] = dot<D>(s.q + g * D, k);
+      }
+    }
+
+    for (int g = 0; g < G; ++g) {
+      float* sc = s.scores + g * kBlock;
+      float m_new = st.m[g];
+      for (int j = 0; j < n; ++j) {
+        m_new = std::max(m_new, sc[j]);
+      }
+      // A -inf score (or max) must give weight 0, not exp(-inf + inf) = NaN.
+      const float alpha = st.m[g] == kNegInf ? 0.0f : std::exp(st.m[g] - m_new);
+      float sum = 0.0f;
+      for (int j = 0; j < n; ++j) {
+        sc[j] = sc[j] == kNegInf ? 0.0f : std::exp(sc[j] - m_new);
+        sum += sc[j];
+      }
+      st.l[g] = st.l[g] * alpha + sum;
+      st.m[g] = m_new;
+      if (alpha != 1.0f) {
+        float* acc = st.acc + g * D;
+#pragma omp simd
+        for (int i = 0; i < D; ++i) {
+          acc[i] *= alpha;
+        }
+      }
+    }
+
+    for (int j = 0; j < n; ++j) {
+      const float* v = load_row<T, D>(vh + (t + j) * a.v_stride[2], a.v_stride[3], s.row);
+      for (int g = 0; g < G; ++g) {
+        axpy<D>(st.acc + g * D, s.scores[g * kBlock + j], v);
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+void finalize(const DecodeArgs& a, int b, int h, float* parts, int n) {
+  const int G = a.G;
+  const int64_t part_size = PartialState::size(G, D);
+  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.H_q + h * G) * D;
+  for (int g = 0; g < G; ++g) {
+    T* o = out + g * D;
+    if (n == 0) {
+      std::fill_n(o, D, T(0.0f));
+      continue;
+    }
+    float m = kNegInf;
+    for (int c = 0; c < n; ++c) {
+      m = std::max(m, PartialState::at(parts + c * part_size, G, D).m[g]);
+    }
+    // Log-sum-exp weights; a part whose scores were all -inf weighs nothing.
+    float l = 0.0f;
+    float acc[D] = {};
+    for (int c = 0; c < n; ++c) {
+      const PartialState p = PartialState::at(parts + c * part_size, G, D);
+      const float w = p.m[g] == kNegInf ? 0.0f : std::exp(p.m[g] - m);
+      l += w * p.l[g];
+      axpy<D>(acc, w, p.acc + g * D);
+    }
+    // l == 0 only when every score was -inf: 0/0 = NaN, as in the reference.
+    const float inv = 1.0f / l;
+    for (int i = 0; i < D; ++i) {
+      o[i] = static_cast<T>(acc[i] * inv);
+    }
+  }
+}
+
+template <typename T>
+KernelFns fns_for_dtype(int head_dim) {
+  switch (head_dim) {
+    case 64:
+      return {attend_chunk<T, 64>, finalize<T, 64>};
+    case 80:
+      return {attend_chunk<T, 80>, finalize<T, 80>};
+    case 96:
+      return {attend_chunk<T, 96>, finalize<T, 96>};
+    case 128:
+      return {attend_chunk<T, 128>, finalize<T, 128>};
+    case 256:
+      return {attend_chunk<T, 256>, finalize<T, 256>};
+    default:
+      return {nullptr, nullptr};
+  }
+}
+
+} // namespace
+
+KernelFns kernel_fns(Dtype dtype, int head_dim) {
+  switch (dtype) {
+    case Dtype::float16:
+      return fns_for_dtype<mx::float16_t>(head_dim);
+    case Dtype::bfloat16:
+      return fns_for_dtype<mx::bfloat16_t>(head_dim);
+    case Dtype::float32:
+      return fns_for_dtype<float>(head_dim);
+  }
+  return {nullptr, nullptr};
+}
+
+} // namespace mlx_batched_decode::cpu::MBD_CPU_ISA

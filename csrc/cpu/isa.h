@@ -1,0 +1,23 @@
+// Run-time choice between the instruction-set variants of the CPU kernel.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "cpu/decode_args.h"
+
+namespace mlx_batched_decode::cpu {
+
+// Variants compiled in and supported by this CPU, best last.
+std::vector<std::string> available_isas();
+
+// The variant in use: the best available unless overridden by set_isa.
+std::string current_isa();
+
+// Selects a variant by name; throws std::invalid_argument if unavailable.
+void set_isa(const std::string& name);
+
+// The kernel of the current variant for dtype and head dim.
+KernelFns kernel_fns(Dtype dtype, int head_dim);
+
+} // namespace mlx_batched_decode::cpu

@@ -1,0 +1,16 @@
+// Entry points of the instruction-set variants of the CPU kernel.
+#pragma once
+
+#include "cpu/decode_args.h"
+
+namespace mlx_batched_decode::cpu {
+
+// Each returns {nullptr, nullptr} for a head dim it has no kernel for.
+namespace baseline {
+KernelFns kernel_fns(Dtype dtype, int head_dim);
+}
+namespace avx2 {
+KernelFns kernel_fns(Dtype dtype, int head_dim);
+}
+
+} // namespace mlx_batched_decode::cpu

@@ -1,0 +1,154 @@
+#include "cpu/parallel_decode.h"
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
+#include "cpu/isa.h"
+#include "mlx/threadpool.h"
+
+namespace mlx_batched_decode::cpu {
+
+namespace {
+
+// Keys per work item: long requests are split (flash-decoding) so that one
+// request or a skewed batch still spreads over all cores.
+constexpr int kChunk = 512;
+// Below this many K/V elements in all, waking pool threads costs more than it saves.
+constexpr int64_t kMinParallelElements = int64_t{1} << 17;
+
+std::atomic<uint64_t> g_calls{0};
+
+int cpu_count() {
+#if defined(__linux__)
+  // Respects affinity masks and container CPU sets, unlike hardware_concurrency.
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    return std::max(1, CPU_COUNT(&set));
+  }
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// One pool for all calls and streams, so concurrent callers share a bounded
+// number of threads; never destroyed, so exit does not wait on it.
+ThreadPool& pool() {
+  static ThreadPool* p = new ThreadPool(max_threads() - 1);
+  return *p;
+}
+
+struct Item {
+  int b, h, t0, t1;
+  int64_t pair; // index of (b, h) in parts_begin / remaining
+};
+
+struct Call {
+  DecodeArgs args;
+  KernelFns fns;
+  std::vector<Item> items;
+  std::vector<int64_t> parts_begin; // [pairs + 1], prefix sum of chunk counts
+  std::vector<float> parts; // partial states, PartialState::size(G, D) each
+  std::unique_ptr<std::atomic<int>[]> remaining; // chunks left per pair
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+
+  void process(const Item& it) {
+    const int64_t first = parts_begin[it.pair];
+    const int n = static_cast<int>(parts_begin[it.pair + 1] - first);
+    const int64_t part_size = PartialState::size(args.G, args.D);
+    float* base = parts.data() + first * part_size;
+    if (n == 0) {
+      fns.finalize(args, it.b, it.h, nullptr, 0);
+      return;
+    }
+    const int c = (it.t0 / kChunk);
+    fns.chunk(args, it.b, it.h, it.t0, it.t1, PartialState::at(base + c * part_size, args.G, args.D));
+    // The last chunk of a pair to finish merges them; acq_rel makes the other
+    // chunks' partial states visible to it.
+    if (remaining[it.pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      fns.finalize(args, it.b, it.h, base, n);
+    }
+  }
+
+  void work() {
+    const int n = static_cast<int>(items.size());
+    for (int i; (i = next.fetch_add(1)) < n;) {
+      process(items[i]);
+      if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+        done.notify_all();
+      }
+    }
+  }
+};
+
+std::shared_ptr<Call> plan(const DecodeArgs& a) {
+  auto call = std::make_shared<Call>();
+  call->args = a;
+  call->fns = kernel_fns(a.dtype, a.D);
+  const int64_t pairs = static_cast<int64_t>(a.B) * a.H_kv;
+  call->parts_begin.resize(pairs + 1);
+  call->remaining = std::make_unique<std::atomic<int>[]>(pairs);
+  int64_t total = 0;
+  for (int b = 0; b < a.B; ++b) {
+    const int len = a.length(b);
+    const int chunks = (len + kChunk - 1) / kChunk;
+    for (int h = 0; h < a.H_kv; ++h) {
+      const int64_t pair = static_cast<int64_t>(b) * a.H_kv + h;
+      call->parts_begin[pair] = total;
+      call->remaining[pair].store(chunks, std::memory_order_relaxed);
+      total += chunks;
+      if (chunks == 0) {
+        call->items.push_back({b, h, 0, 0, pair});
+      }
+      for (int c = 0; c < chunks; ++c) {
+        call->items.push_back({b, h, c * kChunk, std::min(len, (c + 1) * kChunk), pair});
+      }
+    }
+  }
+  call->parts_begin[pairs] = total;
+  call->parts.resize(total * PartialState::size(a.G, a.D));
+  return call;
+}
+
+} // namespace
+
+int max_threads() {
+  static const int n = cpu_count();
+  return n;
+}
+
+uint64_t kernel_calls() {
+  return g_calls.load();
+}
+
+void run_decode(const DecodeArgs& args) {
+  g_calls.fetch_add(1);
+  auto call = plan(args);
+  const int n_items = static_cast<int>(call->items.size());
+  if (n_items == 0) {
+    return;
+  }
+
+  int64_t elements = 0;
+  for (int b = 0; b < args.B; ++b) {
+    elements += static_cast<int64_t>(args.length(b)) * args.H_kv * args.D;
+  }
+  const int helpers = elements < kMinParallelElements
+      ? 0
+      : std::min(max_threads() - 1, n_items - 1);
+  for (int i = 0; i < helpers; ++i) {
+    pool().enqueue([call] { call->work(); });
+  }
+  call->work();
+  for (int d; (d = call->done.load(std::memory_order_acquire)) < n_items;) {
+    call->done.wait(d, std::memory_order_acquire);
+  }
+}
+
+} // namespace mlx_batched_decode::cpu

@@ -1,0 +1,21 @@
+// Work decomposition and thread-pool scheduling of the CPU kernel.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/decode_args.h"
+
+namespace mlx_batched_decode::cpu {
+
+// Computes one call synchronously on the calling thread plus the shared pool.
+// Work items are (request, KV head, chunk of at most kChunk keys), built from
+// the actual lengths, so the work is proportional to their sum, not to B * T.
+void run_decode(const DecodeArgs& args);
+
+// Number of run_decode calls so far: lets tests prove the fused kernel ran.
+uint64_t kernel_calls();
+
+// Threads that serve one call: the pool's plus the caller.
+int max_threads();
+
+} // namespace mlx_batched_decode::cpu
