@@ -1,0 +1,72 @@
+"""Shared helpers: random decode inputs and a float64 numpy reference.
+
+Dimension legend: B requests, H_q query heads, H_kv key/value heads,
+G = H_q / H_kv, T padded length, D head dim.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+HEAD_DIMS = [64, 80, 96, 128, 256]
+
+# Max abs error against the float64 reference, per dtype: the output is rounded
+# to the dtype (|out| < ~3 for unit-normal values) and K/V are rounded on input.
+TOLERANCE = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+
+
+def dtype_id(dtype):
+    return str(dtype).split(".")[-1]
+
+
+def make_inputs(B, H_q, H_kv, T, D, dtype, seed=0):
+    """Unit-normal queries [B, H_q, 1, D] and keys/values [B, H_kv, T, D]."""
+    key = mx.random.key(seed)
+    kq, kk, kv = mx.random.split(key, 3)
+    q = mx.random.normal((B, H_q, 1, D), key=kq).astype(dtype)
+    k = mx.random.normal((B, H_kv, T, D), key=kk).astype(dtype)
+    v = mx.random.normal((B, H_kv, T, D), key=kv).astype(dtype)
+    mx.eval(q, k, v)
+    return q, k, v
+
+
+def to_numpy64(x):
+    return np.array(x.astype(mx.float32)).astype(np.float64)
+
+
+def numpy_reference(q, k, v, valid_lens, scale=None):
+    """Float64 attention of each request over its first valid_lens[b] keys.
+
+    Written independently of the library: a loop over requests and heads.
+    """
+    q, k, v = to_numpy64(q), to_numpy64(k), to_numpy64(v)
+    lens = np.asarray(valid_lens, dtype=np.int64)
+    B, H_q, _, D = q.shape
+    H_kv, T = k.shape[1], k.shape[2]
+    G = H_q // H_kv
+    scale = 1.0 / np.sqrt(D) if scale is None else scale
+    out = np.zeros((B, H_q, 1, D))
+    for b in range(B):
+        n = int(min(max(lens[b], 0), T))
+        if n == 0:
+            continue
+        for hq in range(H_q):
+            h = hq // G
+            s = k[b, h, :n] @ q[b, hq, 0] * scale
+            p = np.exp(s - s.max())
+            out[b, hq, 0] = (p / p.sum()) @ v[b, h, :n]
+    return out
+
+
+def max_abs_error(out, expected):
+    return float(np.max(np.abs(to_numpy64(out) - expected), initial=0.0))
+
+
+@pytest.fixture
+def kernel_calls():
+    """Returns a function giving the fused CPU kernel's run count since the test began."""
+    from mlx_batched_decode import _ext
+
+    start = _ext.cpu_kernel_calls()
+    return lambda: _ext.cpu_kernel_calls() - start
