@@ -8,51 +8,44 @@
 #include "cpu/convert.h"
 #include "cpu/decode_args.h"
 #include "cpu/kernel_table.h"
+#include "cpu/vector_math.h"
 
 namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 
 namespace {
 
-// Keys scored before the accumulator is rescaled: one exp per key and head,
+// Keys scored before the accumulator is rescaled: one vectorised exp per key
+// and head,
 // one rescale per block instead of one per key.
 constexpr int kBlock = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-template <int D>
-inline float dot(const float* __restrict a, const float* __restrict b) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int i = 0; i < D; ++i) {
-    s += a[i] * b[i];
-  }
-  return s;
-}
-
-template <int D>
-inline void axpy(float* __restrict y, float a, const float* __restrict x) {
-#pragma omp simd
-  for (int i = 0; i < D; ++i) {
-    y[i] += a * x[i];
-  }
-}
-
-// Per-thread scratch: scaled queries [G, D], scores [G, kBlock], one row [D].
+// Per-thread scratch: scaled queries [G, D], scores [G, kBlock] and one block
+// of key or value rows widened to float32 [kBlock, D].
 struct Scratch {
   std::vector<float> buf;
   float* q;
   float* scores;
-  float* row;
+  float* block;
 
   void reserve(int G, int D) {
-    size_t need = static_cast<size_t>(G) * (D + kBlock) + D;
+    size_t need = static_cast<size_t>(G) * (D + kBlock) + static_cast<size_t>(kBlock) * D;
     if (buf.size() < need) {
       buf.resize(need);
     }
     q = buf.data();
     scores = q + static_cast<size_t>(G) * D;
-    row = scores + static_cast<size_t>(G) * kBlock;
+    block = scores + static_cast<size_t>(G) * kBlock;
   }
 };
+
+// Points rows[j] at position t + j of a [T, D] head as float32, for j < n.
+template <typename T, int D>
+void load_block(const T* head, const int64_t* stride, int t, int n, float* block, const float** rows) {
+  for (int j = 0; j < n; ++j) {
+    rows[j] = load_row<T, D>(head + (t + j) * stride[2], stride[3], block + j * D);
+  }
+}
 
 thread_local Scratch tls_scratch;
 
@@ -75,15 +68,14 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
 
   const T* kh = static_cast<const T*>(a.keys) + b * a.k_stride[0] + h * a.k_stride[1];
   const T* vh = static_cast<const T*>(a.values) + b * a.v_stride[0] + h * a.v_stride[1];
+  const float* rows[kBlock];
   for (int t = t0; t < t1; t += kBlock) {
     const int n = std::min(kBlock, t1 - t);
 
     // Each key row is read once and scored against all G query heads.
-    for (int j = 0; j < n; ++j) {
-      const float* k = load_row<T, D>(kh + (t + j) * a.k_stride[2], a.k_stride[3], s.row);
-      for (int g = 0; g < G; ++g) {
-        s.scores[g * kBlock + j] = dot<D>(s.q + g * D, k);
-      }
+    load_block<T, D>(kh, a.k_stride, t, n, s.block, rows);
+    for (int g = 0; g < G; ++g) {
+      dot_rows<D>(s.q + g * D, rows, n, s.scores + g * kBlock);
     }
 
     for (int g = 0; g < G; ++g) {
@@ -94,9 +86,12 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
       }
       // A -inf score (or max) must give weight 0, not exp(-inf + inf) = NaN.
       const float alpha = st.m[g] == kNegInf ? 0.0f : std::exp(st.m[g] - m_new);
+      for (int j = 0; j < n; ++j) {
+        sc[j] = sc[j] == kNegInf ? kNegInf : sc[j] - m_new;
+      }
+      exp_inplace(sc, n);
       float sum = 0.0f;
       for (int j = 0; j < n; ++j) {
-        sc[j] = sc[j] == kNegInf ? 0.0f : std::exp(sc[j] - m_new);
         sum += sc[j];
       }
       st.l[g] = st.l[g] * alpha + sum;
@@ -110,11 +105,9 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
       }
     }
 
-    for (int j = 0; j < n; ++j) {
-      const float* v = load_row<T, D>(vh + (t + j) * a.v_stride[2], a.v_stride[3], s.row);
-      for (int g = 0; g < G; ++g) {
-        axpy<D>(st.acc + g * D, s.scores[g * kBlock + j], v);
-      }
+    load_block<T, D>(vh, a.v_stride, t, n, s.block, rows);
+    for (int g = 0; g < G; ++g) {
+      accumulate_rows<D>(st.acc + g * D, s.scores + g * kBlock, rows, n);
     }
   }
 }
