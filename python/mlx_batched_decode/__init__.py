@@ -10,3 +10,24 @@ import mlx.core  # noqa: F401  registers MLX's types before the extension loads
 from ._ext import batched_decode_attention, reference_attention
 
 __all__ = ["batched_decode_attention", "reference_attention"]
+
+# The decode layer (issue 4): per-step context, KV caches, attention paths, mlx-lm adapter.
+# None of these imports mlx-lm at import time; it is needed only to run a BatchedDecoder.
+from .attention import DecodeAttention, SeedAttention, SlotAttention
+from .context import BatchedDecodeContext
+from .decoder import BatchedDecoder, DecodeStats, StepResult
+from .kv_cache import ContiguousKVCache, SlotKVCache
+from .sampling import Sampler
+
+__all__ += [
+    "BatchedDecodeContext",
+    "BatchedDecoder",
+    "ContiguousKVCache",
+    "DecodeAttention",
+    "DecodeStats",
+    "Sampler",
+    "SeedAttention",
+    "SlotAttention",
+    "SlotKVCache",
+    "StepResult",
+]

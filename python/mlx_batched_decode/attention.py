@@ -1,0 +1,146 @@
+"""The attention wrapper a model's attention layer calls once per layer in a decode step.
+
+Two paths with the same interface:
+
+- ``SlotAttention`` (default): every request's new K/V goes into the layer's ``SlotKVCache`` with
+  one scatter, and ``batched_decode_attention`` reads ``buffer[:B, :, :max_len]`` in place with
+  the context's ``valid_lens``. No pad, no concatenate, no mask.
+- ``SeedAttention``: the seed design of DESIGN.md section 1, kept as the baseline: per-request
+  ``ContiguousKVCache``, right padding to ``max_len``, concatenation into one batch, an additive
+  mask rebuilt per layer, ``mx.fast.scaled_dot_product_attention``.
+
+Dimension legend: B = requests in the step, H_q = query heads, H_kv = key/value heads,
+T = key/value positions, D = head dimension.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import mlx.core as mx
+
+import mlx_batched_decode
+
+from .context import BatchedDecodeContext
+from .kv_cache import ContiguousKVCache, SlotKVCache
+
+
+def _default_scale(queries: mx.array, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(queries.shape[-1]) if scale is None else scale
+
+
+class DecodeAttention(ABC):
+    """A decode attention path: ``update`` writes the step's new K/V into the layer's cache and
+    returns what attention reads, ``attend`` computes attention over it."""
+
+    @abstractmethod
+    def update(
+        self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """New ``[B, H_kv, 1, D]`` keys/values -> the ``[B, H_kv, T, D]`` keys/values to attend."""
+
+    @abstractmethod
+    def attend(
+        self,
+        context: BatchedDecodeContext,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        scale: Optional[float] = None,
+    ) -> mx.array:
+        """``queries [B, H_q, 1, D]`` over what ``update`` returned -> ``[B, H_q, 1, D]``."""
+
+    def __call__(
+        self,
+        context: BatchedDecodeContext,
+        layer: int,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        scale: Optional[float] = None,
+    ) -> mx.array:
+        """One layer's decode attention: ``queries [B, H_q, 1, D]``, new ``keys``/``values``
+        ``[B, H_kv, 1, D]`` (RoPE already applied) -> ``[B, H_q, 1, D]``."""
+        all_keys, all_values = self.update(context, layer, keys, values)
+        return self.attend(context, queries, all_keys, all_values, scale=scale)
+
+
+class SlotAttention(DecodeAttention):
+    """The zero-copy path: ``context.layer_caches[layer]`` is a ``SlotKVCache``."""
+
+    def update(
+        self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """Write the new ``[B, H_kv, 1, D]`` keys/values; return ``[B, H_kv, max_len, D]`` views."""
+        cache = context.layer_caches[layer]
+        if not isinstance(cache, SlotKVCache):
+            raise TypeError(
+                f"[SlotAttention] layer {layer} needs a SlotKVCache, got {type(cache).__name__}"
+            )
+        return cache.update(keys, values, context)
+
+    def attend(
+        self,
+        context: BatchedDecodeContext,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        scale: Optional[float] = None,
+    ) -> mx.array:
+        """``queries [B, H_q, 1, D]`` over the views from ``update`` -> ``[B, H_q, 1, D]``."""
+        return mlx_batched_decode.batched_decode_attention(
+            queries, keys, values, context.valid_lens, scale=scale
+        )
+
+
+class SeedAttention(DecodeAttention):
+    """The seed baseline: ``context.layer_caches[layer]`` holds B ``ContiguousKVCache``."""
+
+    def update(
+        self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """Append each request's token to its own cache, pad right, concatenate:
+        ``[B, H_kv, max_len, D]``."""
+        caches = context.layer_caches[layer]
+        if (
+            not isinstance(caches, (list, tuple))
+            or len(caches) != context.batch_size
+            or not all(isinstance(c, ContiguousKVCache) for c in caches)
+        ):
+            raise TypeError(
+                f"[SeedAttention] layer {layer} needs {context.batch_size} ContiguousKVCache"
+            )
+        padded_keys, padded_values = [], []
+        for b, cache in enumerate(caches):
+            k, v = cache.update_and_fetch(keys[b : b + 1], values[b : b + 1])
+            pad = context.pad_sizes[b]
+            if pad:
+                widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
+                k, v = mx.pad(k, widths), mx.pad(v, widths)
+            padded_keys.append(k)
+            padded_values.append(v)
+        return mx.concatenate(padded_keys, axis=0), mx.concatenate(padded_values, axis=0)
+
+    def attend(
+        self,
+        context: BatchedDecodeContext,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        scale: Optional[float] = None,
+    ) -> mx.array:
+        """``queries [B, H_q, 1, D]`` over the padded batch, masked past each ``valid_lens[b]``."""
+        mask = None
+        if context.needs_padding:
+            # The seed rebuilds this additive [B, 1, 1, max_len] mask in every layer.
+            valid = context.positions[None, :] < context.valid_lens[:, None]
+            mask = mx.where(valid, 0.0, -mx.inf).astype(queries.dtype)[:, None, None, :]
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=_default_scale(queries, scale), mask=mask
+        )

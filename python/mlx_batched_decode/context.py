@@ -1,0 +1,70 @@
+"""The per-step decode context: arrays derived from ``seq_lens`` once per step.
+
+Dimension legend: B = requests in the step, H_q / H_kv = query / key-value heads,
+T = key/value positions read by attention, D = head dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+
+
+@dataclass
+class BatchedDecodeContext:
+    """Everything the layers of one decode step share, computed once in ``__post_init__``.
+
+    Build one per step, never per layer; layers only read it. ``seq_lens`` are host ints the
+    scheduler already has, so building the context needs no device-to-host read.
+
+    Args:
+        batch_size: B, the number of requests decoding this step; request ``b`` sits in row
+            (and slot) ``b`` of every batched cache.
+        seq_lens: B host ints, tokens already in each request's cache before this step.
+        layer_caches: one entry per layer, read by the attention wrapper: a ``SlotKVCache``
+            (zero-copy path) or a sequence of B ``ContiguousKVCache`` (seed path).
+
+    Derived fields:
+        offsets: int32 ``[B]``, ``seq_lens`` on the device: where this step's token is written,
+            and the RoPE offset of each request.
+        max_len: ``max(seq_lens) + 1``, the longest length after this step's token; attention
+            reads the first ``max_len`` positions of the caches.
+        valid_lens: int32 ``[B]``, ``offsets + 1``: the lengths the kernel attends over.
+        needs_padding: whether the lengths differ (the seed path pads and masks only then).
+        pad_sizes: B host ints, ``max(seq_lens) - seq_lens[b]``: the seed path's right padding.
+        positions: int32 ``[max_len]`` ``arange`` for the seed path's mask, ``None`` when every
+            request has the same length.
+        rows: int32 ``[B]``, ``arange(B)``: the slot of each request for the one scatter per layer
+            that writes every request's new token.
+    """
+
+    batch_size: int
+    seq_lens: Sequence[int]
+    layer_caches: Sequence[Any]
+    offsets: mx.array = field(init=False)
+    max_len: int = field(init=False)
+    valid_lens: mx.array = field(init=False)
+    needs_padding: bool = field(init=False)
+    pad_sizes: list[int] = field(init=False)
+    positions: Optional[mx.array] = field(init=False)
+    rows: mx.array = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or len(self.seq_lens) != self.batch_size:
+            raise ValueError(
+                f"[BatchedDecodeContext] need batch_size >= 1 and one seq_len per request, got "
+                f"batch_size={self.batch_size} and {len(self.seq_lens)} seq_lens"
+            )
+        if min(self.seq_lens) < 0:
+            raise ValueError("[BatchedDecodeContext] seq_lens must be >= 0")
+        longest = max(self.seq_lens)
+        self.offsets = mx.array(self.seq_lens, dtype=mx.int32)
+        self.max_len = longest + 1
+        # Derived on the device from offsets: no second host-to-device copy.
+        self.valid_lens = self.offsets + 1
+        self.needs_padding = min(self.seq_lens) < longest
+        self.pad_sizes = [longest - s for s in self.seq_lens]
+        self.positions = mx.arange(self.max_len, dtype=mx.int32) if self.needs_padding else None
+        self.rows = mx.arange(self.batch_size, dtype=mx.int32)

@@ -1,0 +1,267 @@
+"""``BatchedDecoder``: continuous batched decoding of an unchanged mlx-lm model.
+
+Each request is prefilled on its own (all but its last prompt token), then joins the running
+batch; every decode step runs the model once over all active requests with one
+``BatchedDecodeContext`` shared by all layers. A request leaves when it reaches its
+``max_tokens`` or samples a stop token; the zero-copy path then moves the last row's slot into
+the freed one, so the active requests always fill slots ``0..B-1`` and the next request reuses
+the free slot.
+
+Dimension legend: B = requests in the step, V = vocabulary size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .attention import DecodeAttention, SeedAttention, SlotAttention
+from .context import BatchedDecodeContext
+from .kv_cache import ContiguousKVCache, SlotKVCache
+from .mlx_lm_adapter import (
+    StepLayerCache,
+    mlx_lm_attention_modules,
+    prefill,
+    prompt_caches,
+    route_attention,
+)
+from .progress import ProgressBar
+from .sampling import Sampler
+
+
+class StepResult(NamedTuple):
+    """What one decode step produced: ``tokens[uid]`` for each request that emitted a token (a
+    stop token is not emitted) and the ids of the requests that finished in this step."""
+
+    tokens: dict[int, int]
+    finished: list[int]
+
+
+@dataclass
+class DecodeStats:
+    """Work a ``BatchedDecoder`` has done since it was made: prefill and decode, counted apart."""
+
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    steps: int = 0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+@dataclass
+class _Request:
+    uid: int
+    max_tokens: int
+    stop_tokens: frozenset[int]
+    seq_len: int
+    next_token: int
+    tokens: list[int] = field(default_factory=list)
+    seed_caches: Optional[list[ContiguousKVCache]] = None
+
+
+class BatchedDecoder:
+    """Batched decoding of an mlx-lm model (Llama, Qwen2, Qwen3, Mistral, ...), its code unchanged.
+
+    Args:
+        model: an mlx-lm ``Model`` whose layers all use a full-attention ``KVCache``.
+        attention: ``"slot"`` (default: ``SlotKVCache`` + ``batched_decode_attention``, zero
+            copy) or ``"seed"`` (per-request ``ContiguousKVCache``, pad, concatenate, masked SDPA).
+        kv_step: the caches grow in chunks of this many positions.
+        prefill_step_size: prompt tokens per prefill forward pass.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        attention: str = "slot",
+        kv_step: int = 256,
+        prefill_step_size: int = 2048,
+    ):
+        if attention not in ("slot", "seed"):
+            raise ValueError(
+                f"[BatchedDecoder] attention must be 'slot' or 'seed', got {attention!r}"
+            )
+        self.model = model
+        self.attention_path = attention
+        self.kv_step = kv_step
+        self.prefill_step_size = prefill_step_size
+        self._attention: DecodeAttention = (
+            SlotAttention() if attention == "slot" else SeedAttention()
+        )
+        self._num_layers = len(model.layers)
+        self._routed_modules = mlx_lm_attention_modules(model)
+        prompt_caches(model)
+        self._slot_caches = (
+            [SlotKVCache(kv_step) for _ in range(self._num_layers)] if attention == "slot" else None
+        )
+        self._active: list[_Request] = []
+        self._next_uid = 0
+        self.stats = DecodeStats()
+
+    @property
+    def num_active(self) -> int:
+        """Requests currently decoding (B of the next step)."""
+        return len(self._active)
+
+    @property
+    def slot_caches(self) -> Optional[list[SlotKVCache]]:
+        """The per-layer slot caches of the zero-copy path (``None`` on the seed path)."""
+        return self._slot_caches
+
+    def add_request(
+        self, prompt: Sequence[int], max_tokens: int, *, stop_tokens: Iterable[int] = ()
+    ) -> int:
+        """Prefill ``prompt`` (token ids, at least one), add it to the running batch, return its id.
+
+        The request's first token comes out of the next ``step``.
+        """
+        if len(prompt) == 0:
+            raise ValueError("[BatchedDecoder] a prompt needs at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"[BatchedDecoder] max_tokens must be >= 1, got {max_tokens}")
+        prompt = [int(t) for t in prompt]
+        request = _Request(
+            uid=self._next_uid,
+            max_tokens=max_tokens,
+            stop_tokens=frozenset(int(t) for t in stop_tokens),
+            seq_len=len(prompt) - 1,
+            next_token=prompt[-1],
+        )
+        self._next_uid += 1
+        start = time.perf_counter()
+        layers_kv = (
+            prefill(self.model, prompt[:-1], self.prefill_step_size) if len(prompt) > 1 else None
+        )
+        if self._slot_caches is not None:
+            if layers_kv is not None:
+                row = len(self._active)
+                for cache, (keys, values) in zip(self._slot_caches, layers_kv):
+                    cache.write_prompt(row, keys, values)
+        else:
+            request.seed_caches = [ContiguousKVCache(self.kv_step) for _ in range(self._num_layers)]
+            if layers_kv is not None:
+                for cache, (keys, values) in zip(request.seed_caches, layers_kv):
+                    cache.update_and_fetch(keys, values)
+        # Evaluate the copies now: prefill time stays out of the next step's time.
+        mx.eval(
+            [
+                (c.keys, c.values)
+                for c in self._slot_caches or request.seed_caches
+                if c.keys is not None
+            ]
+        )
+        self._active.append(request)
+        self.stats.prompt_tokens += len(prompt) - 1
+        self.stats.prefill_seconds += time.perf_counter() - start
+        return request.uid
+
+    def _layer_caches(self) -> list:
+        if self._slot_caches is not None:
+            return self._slot_caches
+        return [[r.seed_caches[layer] for r in self._active] for layer in range(self._num_layers)]
+
+    def step(self, sampler: Optional[Sampler] = None) -> StepResult:
+        """One decode step: one token for every active request, greedy unless ``sampler`` says
+        otherwise."""
+        if not self._active:
+            raise ValueError("[BatchedDecoder] step() needs at least one active request")
+        sampler = sampler or Sampler()
+        start = time.perf_counter()
+        context = BatchedDecodeContext(
+            len(self._active), [r.seq_len for r in self._active], self._layer_caches()
+        )
+        step_caches = [
+            StepLayerCache(self._attention, context, layer) for layer in range(self._num_layers)
+        ]
+        inputs = mx.array([[r.next_token] for r in self._active], dtype=mx.int32)
+        with route_attention(self._routed_modules):
+            logits = self.model(inputs, cache=step_caches)[:, -1, :]
+        sampled = sampler(logits)
+        mx.eval(sampled)
+        emitted: dict[int, int] = {}
+        finished_rows = []
+        for row, (request, token) in enumerate(zip(self._active, sampled.tolist())):
+            request.seq_len += 1
+            request.next_token = token
+            if token in request.stop_tokens:
+                finished_rows.append(row)
+                continue
+            request.tokens.append(token)
+            emitted[request.uid] = token
+            if len(request.tokens) >= request.max_tokens:
+                finished_rows.append(row)
+        finished = [self._active[row].uid for row in finished_rows]
+        for row in reversed(finished_rows):
+            self._remove(row)
+        self.stats.steps += 1
+        self.stats.generated_tokens += len(emitted)
+        self.stats.decode_seconds += time.perf_counter() - start
+        return StepResult(emitted, finished)
+
+    def _remove(self, row: int) -> None:
+        last = len(self._active) - 1
+        if row != last and self._slot_caches is not None:
+            # Keep the batch dense: the last request moves into the freed slot.
+            for cache in self._slot_caches:
+                cache.move(last, row, self._active[last].seq_len)
+        self._active[row] = self._active[last]
+        self._active.pop()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: Union[int, Sequence[int]] = 128,
+        *,
+        max_batch_size: Optional[int] = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+        stop_tokens: Iterable[int] = (),
+        progress: bool = False,
+    ) -> list[list[int]]:
+        """Decode every prompt; returns each request's generated token ids, in prompt order.
+
+        At most ``max_batch_size`` requests decode at once (all by default); a waiting request
+        joins as soon as one leaves. Greedy by default; ``temperature``/``top_p``/``seed`` sample.
+        Stop tokens end a request and are not included in its tokens. ``progress`` draws a bar on
+        stderr.
+        """
+        if self._active:
+            raise ValueError("[BatchedDecoder] generate() needs an idle decoder")
+        budgets = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        if len(budgets) != len(prompts):
+            raise ValueError("[BatchedDecoder] need one max_tokens per prompt")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"[BatchedDecoder] max_batch_size must be >= 1, got {max_batch_size}")
+        sampler = Sampler(temperature, top_p, seed)
+        stop_tokens = tuple(stop_tokens)
+        results: list[list[int]] = [[] for _ in prompts]
+        waiting = deque(i for i, budget in enumerate(budgets) if budget > 0)
+        index_of: dict[int, int] = {}
+        bar = ProgressBar(sum(budgets), "tokens") if progress else None
+        while waiting or self._active:
+            while waiting and (max_batch_size is None or len(self._active) < max_batch_size):
+                i = waiting.popleft()
+                index_of[self.add_request(prompts[i], budgets[i], stop_tokens=stop_tokens)] = i
+            result = self.step(sampler)
+            for uid, token in result.tokens.items():
+                results[index_of[uid]].append(token)
+            if bar is not None:
+                # A request that stops early gives back the rest of its budget.
+                stopped = sum(
+                    budgets[index_of[uid]] - len(results[index_of[uid]]) for uid in result.finished
+                )
+                bar.update(len(result.tokens) + stopped)
+        if bar is not None:
+            bar.close()
+        return results
