@@ -14,9 +14,8 @@ namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 
 namespace {
 
-// Keys scored before the accumulator is rescaled: one vectorised exp per key
-// and head,
-// one rescale per block instead of one per key.
+// Keys scored before the accumulator is rescaled: one rescale per block
+// instead of one per key. A multiple of 8, the width of exp_minus.
 constexpr int kBlock = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -86,10 +85,7 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
       }
       // A -inf score (or max) must give weight 0, not exp(-inf + inf) = NaN.
       const float alpha = st.m[g] == kNegInf ? 0.0f : std::exp(st.m[g] - m_new);
-      for (int j = 0; j < n; ++j) {
-        sc[j] = sc[j] == kNegInf ? kNegInf : sc[j] - m_new;
-      }
-      exp_inplace(sc, n);
+      exp_minus(sc, n, m_new);
       float sum = 0.0f;
       for (int j = 0; j < n; ++j) {
         sum += sc[j];
