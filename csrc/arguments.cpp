@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "batched_decode_attention.h"
+#include "mlx/ops.h"
 #include "mlx/utils.h"
 
 namespace mlx_batched_decode {
@@ -95,6 +96,20 @@ DecodeShape check_arguments(
     fail("scale must be finite, got " + std::to_string(*scale) + ".");
   }
   return d;
+}
+
+mx::array lengths_as_int32(const mx::array& valid_lens, int T, mx::StreamOrDevice s) {
+  const mx::Dtype t = valid_lens.dtype();
+  if (t == mx::int32) {
+    return valid_lens;
+  }
+  // int8/16 and uint8/16 convert exactly; wider ones may not, so clamp first,
+  // with bounds of their own dtype (T <= INT32_MAX fits in all of them).
+  if (t.size() >= 4) {
+    return mx::astype(
+        mx::clip(valid_lens, mx::array(0, t), mx::array(T, t), s), mx::int32, s);
+  }
+  return mx::astype(valid_lens, mx::int32, s);
 }
 
 float resolve_scale(std::optional<float> scale, int head_dim) {

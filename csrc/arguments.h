@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "mlx/array.h"
+#include "mlx/utils.h"
 
 namespace mlx_batched_decode {
 
@@ -22,6 +23,10 @@ DecodeShape check_arguments(
     const mx::array& values,
     const mx::array& valid_lens,
     std::optional<float> scale);
+
+// valid_lens as int32 [B]: values of wider dtypes are clamped to [0, T] first,
+// so that 2^32 + 2 means "all of T" rather than wrapping to 2.
+mx::array lengths_as_int32(const mx::array& valid_lens, int T, mx::StreamOrDevice s);
 
 // The scale to use: the given one or 1/sqrt(D).
 float resolve_scale(std::optional<float> scale, int head_dim);

@@ -25,8 +25,8 @@ mx::array batched_decode_attention(
         "[batched_decode_attention] this build has no Metal kernel; run it on a CPU stream.");
   }
 #endif
-  // Lengths are read by the kernel as int32; a cast is a no-op for int32 input.
-  auto lens = mx::astype(valid_lens, mx::int32, stream);
+  // The kernel reads int32 lengths and clamps them to [0, T] itself.
+  auto lens = lengths_as_int32(valid_lens, d.T, stream);
   return mx::array(
       {d.B, d.H_q, 1, d.D},
       queries.dtype(),

@@ -25,8 +25,7 @@ mx::array reference_attention(
   auto k = mx::astype(keys, mx::float32, s);
   auto v = mx::astype(values, mx::float32, s);
 
-  auto lens = mx::clip(
-      mx::astype(valid_lens, mx::int32, s), mx::array(0), mx::array(d.T), s);
+  auto lens = mx::clip(lengths_as_int32(valid_lens, d.T, s), mx::array(0), mx::array(d.T), s);
   // valid [B, 1, T, 1]: true for positions a request attends to.
   auto valid = mx::less(
       mx::reshape(mx::arange(d.T, mx::int32, s), {1, 1, d.T, 1}, s),

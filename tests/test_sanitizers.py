@@ -23,6 +23,8 @@ KERNEL_TESTS = [
     "tests/test_strided_inputs.py",
     "tests/test_transforms.py",
     "tests/test_errors.py",
+    "tests/test_adversarial.py",
+    "tests/test_concurrency.py",
 ]
 
 
