@@ -96,6 +96,17 @@ def test_slot_count_grows_and_keeps_earlier_slots():
     assert mx.array_equal(cache.values[3, :, :3], values[0]).item()
 
 
+def test_admitting_requests_one_by_one_doubles_the_slot_count():
+    cache, history = _prefilled_slots([2], step=8)
+    counts = []
+    for slot in range(1, 33):
+        keys, values = _kv(1, 2)
+        cache.write_prompt(slot, keys, values)
+        counts.append(cache.slots)
+    assert sorted(set(counts)) == [2, 4, 8, 16, 32, 64]
+    assert mx.array_equal(cache.keys[0, :, :2], history[0][0]).item()
+
+
 def test_move_copies_one_slot_into_another():
     cache, _ = _prefilled_slots([4, 2, 7], step=8)
     before = mx.array(cache.keys)

@@ -91,8 +91,8 @@ class SlotKVCache:
         """Make room for ``slots`` slots of ``length`` positions, shaped and typed like
         ``keys``/``values``.
 
-        Growing copies the buffers once (amortised by ``step``); a cache that is big enough is
-        left untouched.
+        Growing copies the buffers once: the slot count at least doubles and the capacity grows
+        to a multiple of ``step``; a cache that is big enough is left untouched.
         """
         if self.keys is None:
             capacity = _round_up(max(length, 1), self.step)
@@ -101,14 +101,15 @@ class SlotKVCache:
                 (slots, values.shape[1], capacity, values.shape[3]), values.dtype
             )
             return
-        if length > self.capacity:
-            extra = _round_up(length, self.step) - self.capacity
-            self.keys = mx.pad(self.keys, [(0, 0), (0, 0), (0, extra), (0, 0)])
-            self.values = mx.pad(self.values, [(0, 0), (0, 0), (0, extra), (0, 0)])
-        if slots > self.slots:
-            extra = slots - self.slots
-            self.keys = mx.pad(self.keys, [(0, extra), (0, 0), (0, 0), (0, 0)])
-            self.values = mx.pad(self.values, [(0, extra), (0, 0), (0, 0), (0, 0)])
+        if length <= self.capacity and slots <= self.slots:
+            return
+        # Slots at least double, so admitting B requests one by one copies the
+        # buffers O(log B) times, not B times; positions grow by whole chunks.
+        new_slots = max(slots, 2 * self.slots) if slots > self.slots else self.slots
+        new_capacity = max(_round_up(length, self.step), self.capacity)
+        widths = [(0, new_slots - self.slots), (0, 0), (0, new_capacity - self.capacity), (0, 0)]
+        self.keys = mx.pad(self.keys, widths)
+        self.values = mx.pad(self.values, widths)
 
     def write_prompt(self, slot: int, keys: mx.array, values: mx.array) -> None:
         """Store a prefilled request's ``[1, H_kv, L, D]`` keys/values at positions
