@@ -1,0 +1,24 @@
+"""Metal emulation harness: runs the project's unedited ``.metal`` kernels on the CPU.
+
+No tool compiles MSL on Linux, so the kernel source is translated and compiled
+as C++20 by g++ and executed lane by lane:
+
+- ``prepass.py`` inlines quoted includes (keeping ``#line``s), gives built-in
+  parameters the running lane's values, makes ``threadgroup`` variables
+  ``static``, reads function constants from the launch and registers each
+  ``[[host_name]]`` instantiation;
+- ``metal_emu.h`` (through the stub ``include/metal_stdlib``) makes the rest of
+  MSL parse: address spaces, vector types, ``half``/``bfloat``, math, simd
+  collectives and barriers;
+- ``runtime.cpp`` runs the lanes of a threadgroup as fibers (deterministic) or
+  OS threads (for ThreadSanitizer); every collective is a rendezvous that
+  reports, with ``.metal`` source lines, mismatched collectives, collectives
+  reached by only some lanes and skipped barriers; threadgroup memory is
+  filled with NaN before each threadgroup;
+- ``launcher.cpp`` dispatches with ``csrc/metal/launch_plan.h``, the plan the
+  Metal launcher uses; ``build.py`` compiles and caches the library;
+  ``driver.py`` calls it through ctypes.
+
+What it cannot show: that Apple's compiler accepts the source, GPU speed, and
+races between threadgroups (they run one after another).
+"""

@@ -1,0 +1,143 @@
+// C entry points of the harness library: the shared launch plan, and one
+// emulated decode attention call that binds and dispatches exactly as the
+// Metal launcher (csrc/metal/batched_decode_attention_gpu.cpp) does.
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "emu_runtime.h"
+#include "metal/launch_plan.h"
+
+using namespace mlx_batched_decode;
+
+namespace {
+
+int report(const std::string& message, char* error, int error_len) {
+  if (error_len > 0) {
+    std::strncpy(error, message.c_str(), std::size_t(error_len) - 1);
+    error[error_len - 1] = '\0';
+  }
+  return 1;
+}
+
+LaunchShape to_shape(const int s[7]) {
+  return LaunchShape{s[0], s[1], s[2], s[3], s[4], KernelDtype(s[5]), s[6]};
+}
+
+void copy3(const Size3& s, unsigned out[3]) {
+  out[0] = unsigned(s.x);
+  out[1] = unsigned(s.y);
+  out[2] = unsigned(s.z);
+}
+
+} // namespace
+
+extern "C" {
+
+/** LaunchPlan as plain data for ctypes. */
+struct MbdPlan {
+  char kernel[96];
+  char reduce_kernel[96];
+  unsigned long long grid[3], group[3], reduce_grid[3], reduce_group[3];
+  int num_splits, split_len, head_chunks, heads_per_group, vector_width;
+  unsigned long long partial_acc_elems, partial_stats_elems;
+};
+
+/** shape = {B, H_q, H_kv, T, D, dtype (0 f16, 1 bf16, 2 f32), max threads}. */
+int mbd_emu_plan(const int shape[7], MbdPlan* out, char* error, int error_len) {
+  try {
+    const LaunchPlan p = make_launch_plan(to_shape(shape));
+    std::memset(out, 0, sizeof(*out));
+    std::strncpy(out->kernel, p.kernel.c_str(), sizeof(out->kernel) - 1);
+    std::strncpy(out->reduce_kernel, p.reduce_kernel.c_str(), sizeof(out->reduce_kernel) - 1);
+    const Size3* sizes[] = {&p.grid, &p.group, &p.reduce_grid, &p.reduce_group};
+    unsigned long long* dest[] = {out->grid, out->group, out->reduce_grid, out->reduce_group};
+    for (int i = 0; i < 4; ++i) {
+      dest[i][0] = sizes[i]->x;
+      dest[i][1] = sizes[i]->y;
+      dest[i][2] = sizes[i]->z;
+    }
+    out->num_splits = p.num_splits;
+    out->split_len = p.split_len;
+    out->head_chunks = p.head_chunks;
+    out->heads_per_group = p.heads_per_group;
+    out->vector_width = p.vector_width;
+    out->partial_acc_elems = p.partial_acc_elems;
+    out->partial_stats_elems = p.partial_stats_elems;
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e.what(), error, error_len);
+  }
+}
+
+/**
+ * Emulated batched decode attention. strides = {q batch, q head, k batch,
+ * k head, k seq, v batch, v head, v seq, lens} in elements; out is a contiguous
+ * [B, H_q, 1, D] buffer of the queries' dtype. backend: 0 fibers, 1 threads.
+ */
+int mbd_emu_attention(const int shape[7], const long long strides[9], const void* queries,
+                      const void* keys, const void* values, const int* valid_lens, void* out,
+                      float scale, int backend, char* error, int error_len) {
+  try {
+    const LaunchShape s = to_shape(shape);
+    if (s.batch == 0) {  // as eval_gpu: nothing to launch
+      return 0;
+    }
+    const LaunchPlan plan = make_launch_plan(s);
+    const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4],
+                          strides[5], strides[6], strides[7], strides[8]};
+    BatchedDecodeParams params = make_params(s, plan, st, scale);
+
+    // NaN-filled partials: a split that wrote nothing shows up in the result.
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> partial_acc(plan.partial_acc_elems, nan);
+    std::vector<float> partial_max(plan.partial_stats_elems, nan);
+    std::vector<float> partial_sum(plan.partial_stats_elems, nan);
+
+    void* buffers[kParams + 1] = {};
+    buffers[kQueries] = const_cast<void*>(queries);
+    buffers[kKeys] = const_cast<void*>(keys);
+    buffers[kValues] = const_cast<void*>(values);
+    buffers[kValidLens] = const_cast<int*>(valid_lens);
+    buffers[kOut] = out;
+    // Single pass never touches the partials; Metal still wants every argument bound.
+    const bool split = plan.num_splits > 1;
+    buffers[kPartialAcc] = split ? static_cast<void*>(partial_acc.data()) : out;
+    buffers[kPartialMax] = split ? static_cast<void*>(partial_max.data()) : out;
+    buffers[kPartialSum] = split ? static_cast<void*>(partial_sum.data()) : out;
+    buffers[kParams] = &params;
+
+    unsigned grid[3], group[3];
+    copy3(plan.grid, grid);
+    copy3(plan.group, group);
+    const emu::ConstantValue heads{MBD_FC_HEADS, &plan.heads_per_group, sizeof(int)};
+    std::string problem =
+        emu::dispatch(plan.kernel.c_str(), buffers, kParams + 1, grid, group, emu::Backend(backend), &heads, 1);
+    if (problem.empty() && split) {
+      copy3(plan.reduce_grid, grid);
+      copy3(plan.reduce_group, group);
+      problem = emu::dispatch(plan.reduce_kernel.c_str(), buffers, kParams + 1, grid, group, emu::Backend(backend));
+    }
+    return problem.empty() ? 0 : report(problem, error, error_len);
+  } catch (const std::exception& e) {
+    return report(e.what(), error, error_len);
+  }
+}
+
+/** Any registered kernel, with raw buffers bound at indices 0..count-1 and
+ * int function constants values[i] at indices[i]. */
+int mbd_emu_dispatch(const char* kernel, void* const* buffers, int count, const unsigned grid[3],
+                     const unsigned group[3], int backend, const int* constant_indices,
+                     const int* constant_values, int constant_count, char* error, int error_len) {
+  std::vector<emu::ConstantValue> constants;
+  for (int i = 0; i < constant_count; ++i) {
+    constants.push_back({constant_indices[i], &constant_values[i], sizeof(int)});
+  }
+  const std::string problem = emu::dispatch(kernel, buffers, count, grid, group, emu::Backend(backend),
+                                            constants.data(), constant_count);
+  return problem.empty() ? 0 : report(problem, error, error_len);
+}
+
+} // extern "C"

@@ -1,0 +1,140 @@
+"""Source pre-pass of the emulation harness: what no C++ macro can do.
+
+Reads a ``.metal`` file, inlines its quoted includes and rewrites four MSL
+constructs into the harness's C++, keeping every line where it was (``#line``
+directives) so that compiler errors and harness reports name ``.metal`` lines:
+
+- built-in parameters (``uint lid [[thread_index_in_simdgroup]]``) get the
+  calling lane's value as default argument;
+- ``threadgroup`` variables declared in a kernel body become ``static``
+  (threadgroups run one after another) and are registered for NaN poisoning;
+- ``constant T x [[function_constant(i)]]`` reads the value the launch sets;
+- ``template [[host_name("n")]] [[kernel]] decltype(f<..>) f<..>;`` also
+  registers ``f<..>`` under the host name, with the buffer indices of ``f``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+BUILTINS = (
+    "threadgroup_position_in_grid",
+    "threads_per_threadgroup",
+    "threadgroups_per_grid",
+    "thread_position_in_threadgroup",
+    "thread_position_in_grid",
+    "thread_index_in_threadgroup",
+    "simdgroup_index_in_threadgroup",
+    "thread_index_in_simdgroup",
+    "simdgroups_per_threadgroup",
+    "threads_per_simdgroup",
+)
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"')
+_PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\b")
+_BUILTIN = re.compile(r"\[\[\s*(" + "|".join(BUILTINS) + r")\s*\]\]")
+_TG_VAR = re.compile(r"^(\s*)threadgroup\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w*)((?:\s*\[[^\]]+\])*)\s*;\s*$")
+_FUNCTION_CONSTANT = re.compile(
+    r"^(\s*)constant\s+([\w:]+)\s+(\w+)\s*\[\[\s*function_constant\(([^)]+)\)\s*\]\]\s*;\s*$"
+)
+_KERNEL_DEF = re.compile(r"(?:\[\[\s*kernel\s*\]\]|\bkernel\b)\s*void\s+([A-Za-z_]\w*)\s*\(")
+_BUFFER = re.compile(r"\[\[\s*buffer\(\s*(\d+)\s*\)\s*\]\]")
+_WS = r"[\s\\]*"
+_INSTANTIATION = re.compile(
+    r"template" + _WS + r"\[\[\s*host_name\((.*?)\)\s*\]\]" + _WS + r"\[\[\s*kernel\s*\]\]" + _WS
+    + r"decltype\((.*?)\)" + _WS + r"([^;]*?)" + _WS + ";",
+    re.S,
+)
+
+
+class PrepassError(Exception):
+    """The source uses something the harness does not emulate."""
+
+
+def _inline(path: Path, include_dirs: list[Path], seen: set[Path]) -> list[str]:
+    out = [f'#line 1 "{path}"']
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if _PRAGMA_ONCE.match(line):
+            out.append("")
+            continue
+        match = _INCLUDE.match(line)
+        if not match:
+            out.append(line)
+            continue
+        target = next(
+            (d / match.group(1) for d in [path.parent, *include_dirs] if (d / match.group(1)).is_file()), None
+        )
+        if target is None:
+            raise PrepassError(f"{path}:{number}: cannot find include {match.group(1)!r}")
+        target = target.resolve()
+        if target not in seen:
+            seen.add(target)
+            out.extend(_inline(target, include_dirs, seen))
+        out.append(f'#line {number + 1} "{path}"')
+    return out
+
+
+def _closing_paren(text: str, open_index: int) -> int:
+    depth = 0
+    for i in range(open_index, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    raise PrepassError("unbalanced parentheses in a kernel signature")
+
+
+def kernel_buffer_indices(text: str) -> dict[str, list[int]]:
+    """Buffer indices of each kernel, in parameter order."""
+    kernels = {}
+    for match in _KERNEL_DEF.finditer(text):
+        signature = text[match.end() - 1 : _closing_paren(text, match.end() - 1) + 1]
+        kernels[match.group(1)] = [int(i) for i in _BUFFER.findall(signature)]
+    return kernels
+
+
+def _declaration(line: str) -> str:
+    """Rewrites a threadgroup variable or a function constant declared on ``line``."""
+    match = _TG_VAR.match(line)
+    if match:
+        indent, type_, name, dims = match.groups()
+        return (
+            f"{indent}static {type_} {name}{dims}; "
+            f"static ::emu::ThreadgroupMemory EMU_UNIQUE{{{name}, sizeof({name})}};"
+        )
+    match = _FUNCTION_CONSTANT.match(line)
+    if match:
+        indent, type_, name, index = match.groups()
+        return f"{indent}static const ::emu::FunctionConstant<{type_}> {name}{{{index}}};"
+    return line
+
+
+def _registration(kernels: dict[str, list[int]], match: re.Match) -> str:
+    host_name, function, declarator = match.group(1), match.group(2).strip(), match.group(3).strip()
+    base = re.match(r"[A-Za-z_]\w*", function)
+    if base is None or base.group(0) not in kernels:
+        raise PrepassError(f"instantiation of an unknown kernel: {function}")
+    indices = ", ".join(str(i) for i in kernels[base.group(0)])
+    code = (
+        f"template decltype({function}) {declarator}; "
+        f"static const ::emu::KernelRegistration EMU_UNIQUE{{{host_name}, "
+        f"[](void* const* b) {{ ::emu::Call<{indices}>::run([](auto... a) {{ {function}(a...); }}, b); }}, "
+        f"::emu::Call<{indices}>::indices, ::emu::Call<{indices}>::count}};"
+    )
+    # Same number of lines as the original, so later #line numbers stay right.
+    return code + " \\\n" * match.group(0).count("\n")
+
+
+def prepass(source: Path, include_dirs: list[Path]) -> str:
+    """The C++ translation of ``source``, ready for g++ with the harness headers."""
+    source = source.resolve()
+    lines = _inline(source, [d.resolve() for d in include_dirs], {source})
+    text = "\n".join(_declaration(line) for line in lines) + "\n"
+    if re.search(r"\[\[\s*threadgroup\(", text):
+        raise PrepassError("[[threadgroup(n)]] kernel parameters are not emulated")
+    text = _BUILTIN.sub(lambda m: f"[[maybe_unused]] = ::emu::builtins::{m.group(1)}()", text)
+    kernels = kernel_buffer_indices(text)
+    for name, indices in kernels.items():
+        if indices != sorted(set(indices)):
+            raise PrepassError(f"kernel {name}: [[buffer(i)]] indices must be distinct and increasing")
+    return _INSTANTIATION.sub(lambda m: _registration(kernels, m), text)
