@@ -38,10 +38,22 @@ struct Scratch {
   }
 };
 
-// Points rows[j] at position t + j of a [T, D] head as float32, for j < n.
+// Rows fetched ahead of use: with the hardware prefetcher alone, streaming two
+// row sequences (K and V) from DRAM ran at about half the in-cache speed.
+constexpr int kPrefetchRows = 64;
+
+// Points rows[j] at position t + j of a [T, D] head as float32, for j < n, and
+// prefetches (into L2) the row kPrefetchRows ahead of each, up to t_end.
 template <typename T, int D>
-void load_block(const T* head, const int64_t* stride, int t, int n, float* block, const float** rows) {
+void load_block(
+    const T* head, const int64_t* stride, int t, int n, int t_end, float* block, const float** rows) {
   for (int j = 0; j < n; ++j) {
+    if (t + j + kPrefetchRows < t_end) {
+      const char* ahead = reinterpret_cast<const char*>(head + (t + j + kPrefetchRows) * stride[2]);
+      for (int byte = 0; byte < D * static_cast<int>(sizeof(T)); byte += 64) {
+        __builtin_prefetch(ahead + byte, 0, 1);
+      }
+    }
     rows[j] = load_row<T, D>(head + (t + j) * stride[2], stride[3], block + j * D);
   }
 }
@@ -72,7 +84,7 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
     const int n = std::min(kBlock, t1 - t);
 
     // Each key row is read once and scored against all G query heads.
-    load_block<T, D>(kh, a.k_stride, t, n, s.block, rows);
+    load_block<T, D>(kh, a.k_stride, t, n, t1, s.block, rows);
     for (int g = 0; g < G; ++g) {
       dot_rows<D>(s.q + g * D, rows, n, s.scores + g * kBlock);
     }
@@ -101,7 +113,7 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
       }
     }
 
-    load_block<T, D>(vh, a.v_stride, t, n, s.block, rows);
+    load_block<T, D>(vh, a.v_stride, t, n, t1, s.block, rows);
     for (int g = 0; g < G; ++g) {
       accumulate_rows<D>(st.acc + g * D, s.scores + g * kBlock, rows, n);
     }
