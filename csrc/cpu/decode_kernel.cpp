@@ -83,10 +83,14 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
   for (int t = t0; t < t1; t += kBlock) {
     const int n = std::min(kBlock, t1 - t);
 
-    // Each key row is read once and scored against all G query heads.
+    // Each key row is read once and scored against all G query heads, two at a time.
     load_block<T, D>(kh, a.k_stride, t, n, t1, s.block, rows);
-    for (int g = 0; g < G; ++g) {
-      dot_rows<D>(s.q + g * D, rows, n, s.scores + g * kBlock);
+    int g = 0;
+    for (; g + 2 <= G; g += 2) {
+      dot_rows<D, 2>(s.q + g * D, rows, n, s.scores + g * kBlock, kBlock);
+    }
+    if (g < G) {
+      dot_rows<D, 1>(s.q + g * D, rows, n, s.scores + g * kBlock, kBlock);
     }
 
     for (int g = 0; g < G; ++g) {
@@ -114,8 +118,11 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
     }
 
     load_block<T, D>(vh, a.v_stride, t, n, t1, s.block, rows);
-    for (int g = 0; g < G; ++g) {
-      accumulate_rows<D>(st.acc + g * D, s.scores + g * kBlock, rows, n);
+    for (g = 0; g + 2 <= G; g += 2) {
+      accumulate_rows<D, 2>(st.acc + g * D, s.scores + g * kBlock, kBlock, rows, n);
+    }
+    if (g < G) {
+      accumulate_rows<D, 1>(st.acc + g * D, s.scores + g * kBlock, kBlock, rows, n);
     }
   }
 }

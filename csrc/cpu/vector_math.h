@@ -73,55 +73,83 @@ inline void exp_minus(float* x, int n, float m) {
   }
 }
 
-// out[j] = dot(q, rows[j]) for j < n. Four rows at a time: four independent
-// accumulator chains hide the FMA latency that a single dot is bound by.
-template <int D>
-inline void dot_rows(const float* q, const float* const* rows, int n, float* out) {
+// Scores of a tile of H query heads against a block of rows:
+// out[h * out_stride + j] = dot(q + h * D, rows[j]) for h < H, j < n.
+// Four rows at a time: each row chunk loaded once serves H heads, and the 4H
+// independent accumulator chains hide the FMA latency a single dot is bound by.
+template <int D, int H>
+inline void dot_rows(const float* q, const float* const* rows, int n, float* out, int out_stride) {
   static_assert(D % 8 == 0, "head dims are multiples of 8");
   int j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float *r0 = rows[j], *r1 = rows[j + 1], *r2 = rows[j + 2], *r3 = rows[j + 3];
-    f32x8 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+    const float* r[4] = {rows[j], rows[j + 1], rows[j + 2], rows[j + 3]};
+    f32x8 s[H][4] = {};
     for (int i = 0; i < D; i += 8) {
-      const f32x8 qi = load8(q + i);
-      s0 += qi * load8(r0 + i);
-      s1 += qi * load8(r1 + i);
-      s2 += qi * load8(r2 + i);
-      s3 += qi * load8(r3 + i);
+      f32x8 k[4];
+      for (int c = 0; c < 4; ++c) {
+        k[c] = load8(r[c] + i);
+      }
+      for (int h = 0; h < H; ++h) {
+        const f32x8 qh = load8(q + h * D + i);
+        for (int c = 0; c < 4; ++c) {
+          s[h][c] += qh * k[c];
+        }
+      }
     }
-    out[j] = sum8(s0);
-    out[j + 1] = sum8(s1);
-    out[j + 2] = sum8(s2);
-    out[j + 3] = sum8(s3);
+    for (int h = 0; h < H; ++h) {
+      for (int c = 0; c < 4; ++c) {
+        out[h * out_stride + j + c] = sum8(s[h][c]);
+      }
+    }
   }
   for (; j < n; ++j) {
-    f32x8 s = {};
+    f32x8 s[H] = {};
     for (int i = 0; i < D; i += 8) {
-      s += load8(q + i) * load8(rows[j] + i);
+      const f32x8 k = load8(rows[j] + i);
+      for (int h = 0; h < H; ++h) {
+        s[h] += load8(q + h * D + i) * k;
+      }
     }
-    out[j] = sum8(s);
+    for (int h = 0; h < H; ++h) {
+      out[h * out_stride + j] = sum8(s[h]);
+    }
   }
 }
 
-// acc += sum_j w[j] * rows[j] for j < n, four rows per pass over acc so that
-// acc is loaded and stored once per four rows.
-template <int D>
-inline void accumulate_rows(float* acc, const float* w, const float* const* rows, int n) {
+// Weighted rows into the accumulators of a tile of H heads:
+// acc[h] += sum_j w[h * w_stride + j] * rows[j] for h < H, j < n, with
+// acc [H, D]. Four rows per pass, each chunk loaded once for all H heads.
+template <int D, int H>
+inline void accumulate_rows(float* acc, const float* w, int w_stride, const float* const* rows, int n) {
   int j = 0;
   for (; j + 4 <= n; j += 4) {
     // Locals, so stores to acc cannot force the row pointers to be reloaded.
-    const float *r0 = rows[j], *r1 = rows[j + 1], *r2 = rows[j + 2], *r3 = rows[j + 3];
-    const float w0 = w[j], w1 = w[j + 1], w2 = w[j + 2], w3 = w[j + 3];
+    const float* r[4] = {rows[j], rows[j + 1], rows[j + 2], rows[j + 3]};
+    float wt[H][4];
+    for (int h = 0; h < H; ++h) {
+      for (int c = 0; c < 4; ++c) {
+        wt[h][c] = w[h * w_stride + j + c];
+      }
+    }
     for (int i = 0; i < D; i += 8) {
-      f32x8 a = load8(acc + i);
-      a += w0 * load8(r0 + i) + w1 * load8(r1 + i);
-      a += w2 * load8(r2 + i) + w3 * load8(r3 + i);
-      store8(acc + i, a);
+      f32x8 k[4];
+      for (int c = 0; c < 4; ++c) {
+        k[c] = load8(r[c] + i);
+      }
+      for (int h = 0; h < H; ++h) {
+        f32x8 a = load8(acc + h * D + i);
+        a += wt[h][0] * k[0] + wt[h][1] * k[1];
+        a += wt[h][2] * k[2] + wt[h][3] * k[3];
+        store8(acc + h * D + i, a);
+      }
     }
   }
   for (; j < n; ++j) {
     for (int i = 0; i < D; i += 8) {
-      store8(acc + i, load8(acc + i) + w[j] * load8(rows[j] + i));
+      const f32x8 k = load8(rows[j] + i);
+      for (int h = 0; h < H; ++h) {
+        store8(acc + h * D + i, load8(acc + h * D + i) + w[h * w_stride + j] * k);
+      }
     }
   }
 }
