@@ -7,7 +7,7 @@ machine's read bandwidth measured at start, speedup over each peer, and the max
 error of the timed output against the reference. Each simulated layer has its
 own K/V buffers, so caches do not flatter the figures.
 
-    python benchmarks/bench_kernel.py            # full matrix (minutes)
+    python benchmarks/bench_kernel.py            # full matrix (about 15 minutes)
     python benchmarks/bench_kernel.py --quick    # the headline row only
 """
 
@@ -29,6 +29,8 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 def lengths(kind, B):
     if kind == "uniform":  # 512-2048, as in the project's headline case; same per B
         return np.random.default_rng(B).integers(512, 2049, size=B)
+    if kind == "long":  # every request 8k: one request alone must still use all cores
+        return np.full(B, 8192)
     # skewed: one long request, the rest short
     return np.array([2048] + [64] * (B - 1))[:B]
 
@@ -126,7 +128,7 @@ def main():
             (h, B, kind, d)
             for h in HEADS
             for B in (1, 4, 8, 16, 32)
-            for kind in ("uniform", "skewed")
+            for kind in ("uniform", "skewed") + (("long",) if B == 1 else ())
             for d in DTYPES
         ]
     rows = []

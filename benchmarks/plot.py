@@ -31,9 +31,15 @@ def machine_line(data):
 
 def plot_kernel(plt, data):
     rows = data["rows"]
-    panels = sorted({(r["heads"], r["lengths"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (heads, kind) in zip(axes[0], panels):
+    heads_list = sorted({r["heads"] for r in rows})
+    # One panel per head layout and length kind; kinds run at a single B (the 8k
+    # request) are points, not curves, and stay in the JSON and the README table.
+    kinds = sorted({r["lengths"] for r in rows if len({q["B"] for q in rows if q["lengths"] == r["lengths"]}) > 1})
+    fig, axes = plt.subplots(
+        len(heads_list), len(kinds), figsize=(5 * len(kinds), 3.6 * len(heads_list)), squeeze=False
+    )
+    panels = [(h, k) for h in heads_list for k in kinds]
+    for ax, (heads, kind) in zip(axes.flat, panels):
         for dtype, color in DTYPE_COLORS.items():
             mine = [r for r in rows if (r["heads"], r["lengths"], r["dtype"]) == (heads, kind, dtype)]
             mine.sort(key=lambda r: r["B"])
