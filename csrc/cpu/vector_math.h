@@ -2,7 +2,6 @@
 // translation unit is compiled for.
 #pragma once
 
-#include <bit>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
