@@ -7,6 +7,7 @@ G = H_q / H_kv, T padded length, D head dim.
 import mlx.core as mx
 import numpy as np
 import pytest
+from metal_emu.reference import reference_attention as float64_attention
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 HEAD_DIMS = [64, 80, 96, 128, 256]
@@ -36,27 +37,14 @@ def to_numpy64(x):
 
 
 def numpy_reference(q, k, v, valid_lens, scale=None):
-    """Float64 attention of each request over its first valid_lens[b] keys.
+    """Float64 attention of each request over its first valid_lens[b] keys, for MLX inputs.
 
-    Written independently of the library: a loop over requests and heads.
+    The numpy-only reference of the Metal harness (tests/metal_emu/reference.py),
+    written independently of the library: a loop over requests and heads.
     """
-    q, k, v = to_numpy64(q), to_numpy64(k), to_numpy64(v)
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
     lens = np.asarray(valid_lens, dtype=np.int64)
-    B, H_q, _, D = q.shape
-    H_kv, T = k.shape[1], k.shape[2]
-    G = H_q // H_kv
-    scale = 1.0 / np.sqrt(D) if scale is None else scale
-    out = np.zeros((B, H_q, 1, D))
-    for b in range(B):
-        n = int(min(max(lens[b], 0), T))
-        if n == 0:
-            continue
-        for hq in range(H_q):
-            h = hq // G
-            s = k[b, h, :n] @ q[b, hq, 0] * scale
-            p = np.exp(s - s.max())
-            out[b, hq, 0] = (p / p.sum()) @ v[b, h, :n]
-    return out
+    return float64_attention(to_numpy64(q), to_numpy64(k), to_numpy64(v), lens, scale)
 
 
 def max_abs_error(out, expected):
