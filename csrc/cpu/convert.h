@@ -1,15 +1,17 @@
-// Widening of key/value rows to float32 in registers. Compiled into every
-// instruction-set variant of the kernel; the intrinsics used depend on the flags
-// that variant is compiled with.
+// Loads of eight 16-bit floats widened to float32 in registers, so the kernel
+// reads float16 and bfloat16 rows in place. Compiled into every
+// instruction-set variant of the kernel; the instructions used depend on the
+// flags that variant is compiled with.
 #pragma once
 
 #include <bit>
 #include <cstdint>
-#include <type_traits>
+#include <cstring>
 
+#include "cpu/vector_math.h"
 #include "mlx/types/half_types.h"
 
-#if defined(__F16C__) && defined(__AVX__)
+#if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -28,50 +30,34 @@ inline float half_bits_to_float(uint16_t h) {
   return std::bit_cast<float>(bits | sign);
 }
 
-inline float bf16_bits_to_float(uint16_t h) {
-  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
-}
-
-// Widens a contiguous row of D 16-bit floats to float32 into dst.
-template <typename T, int D>
-inline void widen_row(const T* src, float* __restrict dst) {
-  static_assert(D % 8 == 0, "head dims are multiples of 8");
-  if constexpr (std::is_same_v<T, mx::bfloat16_t>) {
-    const auto* bits = reinterpret_cast<const uint16_t*>(src);
-    for (int i = 0; i < D; ++i) {
-      dst[i] = bf16_bits_to_float(bits[i]);
-    }
-  } else {
-    const auto* bits = reinterpret_cast<const uint16_t*>(src);
-#if defined(__F16C__) && defined(__AVX__)
-    for (int i = 0; i < D; i += 8) {
-      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i));
-      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
-    }
+inline f32x8 load8(const mx::float16_t* p) {
+#if defined(__AVX2__) && defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-    for (int i = 0; i < D; ++i) {
-      dst[i] = half_bits_to_float(bits[i]);
-    }
-#endif
+  uint16_t bits[8];
+  std::memcpy(bits, p, sizeof(bits));
+  f32x8 v;
+  for (int i = 0; i < 8; ++i) {
+    v[i] = half_bits_to_float(bits[i]);
   }
+  return v;
+#endif
 }
 
-// Returns row as float32: in place for contiguous float32 rows, otherwise
-// widened (or gathered, for a strided last axis) into scratch.
-template <typename T, int D>
-inline const float* load_row(const T* row, int64_t dim_stride, float* scratch) {
-  if (dim_stride == 1) {
-    if constexpr (std::is_same_v<T, float>) {
-      return row;
-    } else {
-      widen_row<T, D>(row, scratch);
-      return scratch;
-    }
+// bfloat16 is the top half of a float32: widen to 32 bits and shift left.
+inline f32x8 load8(const mx::bfloat16_t* p) {
+#if defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+#else
+  uint16_t bits[8];
+  std::memcpy(bits, p, sizeof(bits));
+  f32x8 v;
+  for (int i = 0; i < 8; ++i) {
+    v[i] = std::bit_cast<float>(static_cast<uint32_t>(bits[i]) << 16);
   }
-  for (int i = 0; i < D; ++i) {
-    scratch[i] = static_cast<float>(row[i * dim_stride]);
-  }
-  return scratch;
+  return v;
+#endif
 }
 
 } // namespace mlx_batched_decode::cpu

@@ -5,9 +5,9 @@
 #include <limits>
 #include <vector>
 
-#include "cpu/convert.h"
 #include "cpu/decode_args.h"
 #include "cpu/kernel_table.h"
+#include "cpu/tiles.h"
 #include "cpu/vector_math.h"
 
 namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
@@ -19,58 +19,80 @@ namespace {
 constexpr int kBlock = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Per-thread scratch: scaled queries [G, D], scores [G, kBlock] and one block
-// of key or value rows widened to float32 [kBlock, D].
+// Per-thread scratch, one per row type: scaled queries [G, D], scores
+// [G, kBlock] and a block of key or value rows [kBlock, D] gathered from a
+// strided last axis.
+template <typename T>
 struct Scratch {
-  std::vector<float> buf;
-  float* q;
-  float* scores;
-  float* block;
+  std::vector<float> q;
+  std::vector<float> scores;
+  std::vector<T> block;
 
   void reserve(int G, int D) {
-    size_t need = static_cast<size_t>(G) * (D + kBlock) + static_cast<size_t>(kBlock) * D;
-    if (buf.size() < need) {
-      buf.resize(need);
+    grow(q, static_cast<size_t>(G) * D);
+    grow(scores, static_cast<size_t>(G) * kBlock);
+    grow(block, static_cast<size_t>(kBlock) * D);
+  }
+
+  template <typename V>
+  static void grow(std::vector<V>& v, size_t n) {
+    if (v.size() < n) {
+      v.resize(n);
     }
-    q = buf.data();
-    scores = q + static_cast<size_t>(G) * D;
-    block = scores + static_cast<size_t>(G) * kBlock;
   }
 };
 
-// Rows fetched ahead of use: with the hardware prefetcher alone, streaming two
-// row sequences (K and V) from DRAM ran at about half the in-cache speed.
-constexpr int kPrefetchRows = 64;
+template <typename T>
+thread_local Scratch<T> tls_scratch;
 
-// Points rows[j] at position t + j of a [T, D] head as float32, for j < n, and
-// prefetches (into L2) the row kPrefetchRows ahead of each, up to t_end.
+// Points rows[j] at position t + j of a [T, D] head, for j < n: in place
+// when the last axis is contiguous, else gathered into block. Rows n to the
+// next multiple of 4 repeat row n - 1, so the scoring can run on whole groups
+// of four; their scores are never read.
 template <typename T, int D>
-void load_block(
-    const T* head, const int64_t* stride, int t, int n, int t_end, float* block, const float** rows) {
+void load_block(const T* head, const int64_t* stride, int t, int n, T* block, const T** rows) {
   for (int j = 0; j < n; ++j) {
-    if (t + j + kPrefetchRows < t_end) {
-      const char* ahead = reinterpret_cast<const char*>(head + (t + j + kPrefetchRows) * stride[2]);
-      for (int byte = 0; byte < D * static_cast<int>(sizeof(T)); byte += 64) {
-        __builtin_prefetch(ahead + byte, 0, 1);
-      }
+    const T* row = head + (t + j) * stride[2];
+    if (stride[3] == 1) {
+      rows[j] = row;
+      continue;
     }
-    rows[j] = load_row<T, D>(head + (t + j) * stride[2], stride[3], block + j * D);
+    for (int i = 0; i < D; ++i) {
+      block[j * D + i] = row[i * stride[3]];
+    }
+    rows[j] = block + j * D;
+  }
+  for (int j = n; j % 4 != 0; ++j) {
+    rows[j] = rows[n - 1];
   }
 }
 
-thread_local Scratch tls_scratch;
+// Requests rows [t, t + n) of a [T, D] head into L2 a few at a time. Hardware
+// prefetchers stop at each 4 KiB page, and a burst of requests stalls on the
+// core's miss buffers, so the next block is fetched while this one is computed.
+template <typename T, int D>
+void prefetch_rows(const T* head, const int64_t* stride, int t, int n) {
+  for (int j = t; j < t + n; ++j) {
+    const char* row = reinterpret_cast<const char*>(head + j * stride[2]);
+    for (int byte = 0; byte < D * static_cast<int>(sizeof(T)); byte += 64) {
+      __builtin_prefetch(row + byte, 0, 1);
+    }
+  }
+}
 
 template <typename T, int D>
 void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialState st) {
   const int G = a.G;
-  Scratch& s = tls_scratch;
+  Scratch<T>& s = tls_scratch<T>;
   s.reserve(G, D);
+  float* qs = s.q.data();
+  float* scores = s.scores.data();
 
   const T* q = static_cast<const T*>(a.queries) + b * a.q_stride[0];
   for (int g = 0; g < G; ++g) {
     const T* qr = q + static_cast<int64_t>(h * G + g) * a.q_stride[1];
     for (int i = 0; i < D; ++i) {
-      s.q[g * D + i] = static_cast<float>(qr[i * a.q_stride[2]]) * a.scale;
+      qs[g * D + i] = static_cast<float>(qr[i * a.q_stride[2]]) * a.scale;
     }
     st.m[g] = kNegInf;
     st.l[g] = 0.0f;
@@ -79,22 +101,30 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
 
   const T* kh = static_cast<const T*>(a.keys) + b * a.k_stride[0] + h * a.k_stride[1];
   const T* vh = static_cast<const T*>(a.values) + b * a.v_stride[0] + h * a.v_stride[1];
-  const float* rows[kBlock];
+  T* block = s.block.data();
+  const T* rows[kBlock];
   for (int t = t0; t < t1; t += kBlock) {
     const int n = std::min(kBlock, t1 - t);
+    const int n_next = std::min(kBlock, t1 - t - n);
 
-    // Each key row is read once and scored against all G query heads, two at a time.
-    load_block<T, D>(kh, a.k_stride, t, n, t1, s.block, rows);
-    int g = 0;
-    for (; g + 2 <= G; g += 2) {
-      dot_rows<D, 2>(s.q + g * D, rows, n, s.scores + g * kBlock, kBlock);
-    }
-    if (g < G) {
-      dot_rows<D, 1>(s.q + g * D, rows, n, s.scores + g * kBlock, kBlock);
+    // Each key row is read once and scored against all G query heads, two at
+    // a time, while the next block's keys and values are requested.
+    load_block<T, D>(kh, a.k_stride, t, n, block, rows);
+    for (int j = 0; j < n; j += 4) {
+      const int ahead = std::clamp(n_next - j, 0, 4);
+      prefetch_rows<T, D>(kh, a.k_stride, t + n + j, ahead);
+      prefetch_rows<T, D>(vh, a.v_stride, t + n + j, ahead);
+      int g = 0;
+      for (; g + 2 <= G; g += 2) {
+        dot_4_rows<D, 2>(qs + g * D, rows + j, scores + g * kBlock + j, kBlock);
+      }
+      if (g < G) {
+        dot_4_rows<D, 1>(qs + g * D, rows + j, scores + g * kBlock + j, kBlock);
+      }
     }
 
     for (int g = 0; g < G; ++g) {
-      float* sc = s.scores + g * kBlock;
+      float* sc = scores + g * kBlock;
       float m_new = st.m[g];
       for (int j = 0; j < n; ++j) {
         m_new = std::max(m_new, sc[j]);
@@ -117,12 +147,18 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
       }
     }
 
-    load_block<T, D>(vh, a.v_stride, t, n, t1, s.block, rows);
-    for (g = 0; g + 2 <= G; g += 2) {
-      accumulate_rows<D, 2>(st.acc + g * D, s.scores + g * kBlock, kBlock, rows, n);
+    // Value rows in tiles of up to four heads, each row chunk loaded once per tile.
+    load_block<T, D>(vh, a.v_stride, t, n, block, rows);
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+      accumulate_rows<D, 4>(st.acc + g * D, scores + g * kBlock, kBlock, rows, n);
+    }
+    if (g + 2 <= G) {
+      accumulate_rows<D, 2>(st.acc + g * D, scores + g * kBlock, kBlock, rows, n);
+      g += 2;
     }
     if (g < G) {
-      accumulate_rows<D, 1>(st.acc + g * D, s.scores + g * kBlock, kBlock, rows, n);
+      accumulate_rows<D, 1>(st.acc + g * D, scores + g * kBlock, kBlock, rows, n);
     }
   }
 }

@@ -27,10 +27,21 @@ inline float sum8(f32x8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+// Returns v, loaded into a register once. Without this GCC folds the load into
+// each FMA that uses v, and the repeated loads, not the FMAs, bound the loop.
+inline f32x8 in_register(f32x8 v) {
+#if defined(__AVX__)
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
+// Not f32x8{} + s: that add cannot be folded away (0 + -0 is +0), and it
+// costs a scalar add before every broadcast.
 inline f32x8 splat(float s) {
-  return f32x8{} + s;
+  return f32x8{s, s, s, s, s, s, s, s};
 }
 
 // mask ? a : b, lane by lane, for a comparison mask (all ones or all zeros).
@@ -69,87 +80,6 @@ inline void exp_minus(float* x, int n, float m) {
   for (int j = 0; j < n; j += 8) {
     const f32x8 v = load8(x + j);
     store8(x + j, exp8(select(v == splat(-INFINITY), v, v - m)));
-  }
-}
-
-// Scores of a tile of H query heads against a block of rows:
-// out[h * out_stride + j] = dot(q + h * D, rows[j]) for h < H, j < n.
-// Four rows at a time: each row chunk loaded once serves H heads, and the 4H
-// independent accumulator chains hide the FMA latency a single dot is bound by.
-template <int D, int H>
-inline void dot_rows(const float* q, const float* const* rows, int n, float* out, int out_stride) {
-  static_assert(D % 8 == 0, "head dims are multiples of 8");
-  int j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const float* r[4] = {rows[j], rows[j + 1], rows[j + 2], rows[j + 3]};
-    f32x8 s[H][4] = {};
-    for (int i = 0; i < D; i += 8) {
-      f32x8 k[4];
-      for (int c = 0; c < 4; ++c) {
-        k[c] = load8(r[c] + i);
-      }
-      for (int h = 0; h < H; ++h) {
-        const f32x8 qh = load8(q + h * D + i);
-        for (int c = 0; c < 4; ++c) {
-          s[h][c] += qh * k[c];
-        }
-      }
-    }
-    for (int h = 0; h < H; ++h) {
-      for (int c = 0; c < 4; ++c) {
-        out[h * out_stride + j + c] = sum8(s[h][c]);
-      }
-    }
-  }
-  for (; j < n; ++j) {
-    f32x8 s[H] = {};
-    for (int i = 0; i < D; i += 8) {
-      const f32x8 k = load8(rows[j] + i);
-      for (int h = 0; h < H; ++h) {
-        s[h] += load8(q + h * D + i) * k;
-      }
-    }
-    for (int h = 0; h < H; ++h) {
-      out[h * out_stride + j] = sum8(s[h]);
-    }
-  }
-}
-
-// Weighted rows into the accumulators of a tile of H heads:
-// acc[h] += sum_j w[h * w_stride + j] * rows[j] for h < H, j < n, with
-// acc [H, D]. Four rows per pass, each chunk loaded once for all H heads.
-template <int D, int H>
-inline void accumulate_rows(float* acc, const float* w, int w_stride, const float* const* rows, int n) {
-  int j = 0;
-  for (; j + 4 <= n; j += 4) {
-    // Locals, so stores to acc cannot force the row pointers to be reloaded.
-    const float* r[4] = {rows[j], rows[j + 1], rows[j + 2], rows[j + 3]};
-    float wt[H][4];
-    for (int h = 0; h < H; ++h) {
-      for (int c = 0; c < 4; ++c) {
-        wt[h][c] = w[h * w_stride + j + c];
-      }
-    }
-    for (int i = 0; i < D; i += 8) {
-      f32x8 k[4];
-      for (int c = 0; c < 4; ++c) {
-        k[c] = load8(r[c] + i);
-      }
-      for (int h = 0; h < H; ++h) {
-        f32x8 a = load8(acc + h * D + i);
-        a += wt[h][0] * k[0] + wt[h][1] * k[1];
-        a += wt[h][2] * k[2] + wt[h][3] * k[3];
-        store8(acc + h * D + i, a);
-      }
-    }
-  }
-  for (; j < n; ++j) {
-    for (int i = 0; i < D; i += 8) {
-      const f32x8 k = load8(rows[j] + i);
-      for (int h = 0; h < H; ++h) {
-        store8(acc + h * D + i, load8(acc + h * D + i) + w[h * w_stride + j] * k);
-      }
-    }
   }
 }
 

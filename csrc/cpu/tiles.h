@@ -1,0 +1,100 @@
+// The two inner loops of the kernel, on tiles of query heads and key rows:
+// scores (Q K^T) and the weighted sum of value rows (P V). Rows are read in
+// place as float32, float16 or bfloat16 and widened in registers.
+#pragma once
+
+#include "cpu/convert.h"
+#include "cpu/vector_math.h"
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+namespace mlx_batched_decode::cpu {
+
+// The four horizontal sums of v[0..3], as {sum8(v[0]), ..., sum8(v[3])}.
+// A tree of pairwise adds: about two instructions per sum instead of seven.
+inline void sum8x4(const f32x8* v, float* out) {
+#if defined(__AVX__)
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)));
+#else
+  for (int c = 0; c < 4; ++c) {
+    out[c] = sum8(v[c]);
+  }
+#endif
+}
+
+// Scores of a tile of H query heads against four rows of T (float32, or a
+// 16-bit type with a load8 overload that widens it):
+// out[h * out_stride + c] = dot(q + h * D, rows[c]) for h < H, c < 4.
+// Each row chunk loaded once serves H heads, and the 4H independent
+// accumulator chains hide the FMA latency a single dot is bound by.
+template <int D, int H, typename T>
+inline void dot_4_rows(const float* q, const T* const* rows, float* out, int out_stride) {
+  static_assert(D % 8 == 0, "head dims are multiples of 8");
+  const T* r[4] = {rows[0], rows[1], rows[2], rows[3]};
+  f32x8 s[H][4] = {};
+  for (int i = 0; i < D; i += 8) {
+    f32x8 k[4];
+    for (int c = 0; c < 4; ++c) {
+      k[c] = in_register(load8(r[c] + i));
+    }
+    for (int h = 0; h < H; ++h) {
+      const f32x8 qh = in_register(load8(q + h * D + i));
+      for (int c = 0; c < 4; ++c) {
+        s[h][c] += qh * k[c];
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    sum8x4(s[h], out + h * out_stride);
+  }
+}
+
+// Vectors per slice of accumulate_rows: as many as keep 8 accumulators busy
+// for H heads (8 chains cover the FMA latency) and divide the D / 8 vectors.
+constexpr int slice_vectors(int D, int H) {
+  for (int w = 8 / H; w > 1; --w) {
+    if ((D / 8) % w == 0) {
+      return w;
+    }
+  }
+  return 1;
+}
+
+// Weighted rows of T into the accumulators of a tile of H heads:
+// acc[h] += sum_j w[h * w_stride + j] * rows[j] for h < H, j < n, acc [H, D].
+// One slice of D at a time stays in registers over all n rows, so acc is
+// loaded and stored once per call, not once per row.
+template <int D, int H, typename T>
+inline void accumulate_rows(float* acc, const float* w, int w_stride, const T* const* rows, int n) {
+  constexpr int W = slice_vectors(D, H);
+  for (int i = 0; i < D; i += 8 * W) {
+    f32x8 a[H][W];
+    for (int h = 0; h < H; ++h) {
+      for (int c = 0; c < W; ++c) {
+        a[h][c] = load8(acc + h * D + i + 8 * c);
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      f32x8 v[W];
+      for (int c = 0; c < W; ++c) {
+        v[c] = in_register(load8(rows[j] + i + 8 * c));
+      }
+      for (int h = 0; h < H; ++h) {
+        const f32x8 wh = splat(w[h * w_stride + j]);
+        for (int c = 0; c < W; ++c) {
+          a[h][c] += wh * v[c];
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      for (int c = 0; c < W; ++c) {
+        store8(acc + h * D + i + 8 * c, a[h][c]);
+      }
+    }
+  }
+}
+
+} // namespace mlx_batched_decode::cpu
