@@ -15,7 +15,7 @@ namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 namespace {
 
 // Keys scored before the accumulator is rescaled: one rescale per block
-// instead of one per key. A multiple of 8, the width of exp_minus.
+// instead of one per key. A multiple of 8, the width of softmax_block.
 constexpr int kBlock = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -67,19 +67,6 @@ void load_block(const T* head, const int64_t* stride, int t, int n, T* block, co
   }
 }
 
-// Requests rows [t, t + n) of a [T, D] head into L2 a few at a time. Hardware
-// prefetchers stop at each 4 KiB page, and a burst of requests stalls on the
-// core's miss buffers, so the next block is fetched while this one is computed.
-template <typename T, int D>
-void prefetch_rows(const T* head, const int64_t* stride, int t, int n) {
-  for (int j = t; j < t + n; ++j) {
-    const char* row = reinterpret_cast<const char*>(head + j * stride[2]);
-    for (int byte = 0; byte < D * static_cast<int>(sizeof(T)); byte += 64) {
-      __builtin_prefetch(row + byte, 0, 1);
-    }
-  }
-}
-
 template <typename T, int D>
 void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialState st) {
   const int G = a.G;
@@ -105,39 +92,28 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
   const T* rows[kBlock];
   for (int t = t0; t < t1; t += kBlock) {
     const int n = std::min(kBlock, t1 - t);
+    // The next block is requested from memory while this one is computed:
+    // hardware prefetchers stop at each 4 KiB page. Gathered rows have no
+    // fixed successor offset and are not prefetched.
     const int n_next = std::min(kBlock, t1 - t - n);
+    const Lookahead k_next{kBlock * a.k_stride[2], a.k_stride[3] == 1 ? n_next : 0};
+    const Lookahead v_next{kBlock * a.v_stride[2], a.v_stride[3] == 1 ? n_next : 0};
 
-    // Each key row is read once and scored against all G query heads, two at
-    // a time, while the next block's keys and values are requested.
+    // Each key row is read once and scored against all G query heads, two at a time.
     load_block<T, D>(kh, a.k_stride, t, n, block, rows);
     for (int j = 0; j < n; j += 4) {
-      const int ahead = std::clamp(n_next - j, 0, 4);
-      prefetch_rows<T, D>(kh, a.k_stride, t + n + j, ahead);
-      prefetch_rows<T, D>(vh, a.v_stride, t + n + j, ahead);
+      const Lookahead ahead{k_next.offset, k_next.rows - j};
       int g = 0;
       for (; g + 2 <= G; g += 2) {
-        dot_4_rows<D, 2>(qs + g * D, rows + j, scores + g * kBlock + j, kBlock);
+        dot_4_rows<D, 2>(qs + g * D, rows + j, scores + g * kBlock + j, kBlock, g == 0 ? ahead : Lookahead{});
       }
       if (g < G) {
-        dot_4_rows<D, 1>(qs + g * D, rows + j, scores + g * kBlock + j, kBlock);
+        dot_4_rows<D, 1>(qs + g * D, rows + j, scores + g * kBlock + j, kBlock, g == 0 ? ahead : Lookahead{});
       }
     }
 
     for (int g = 0; g < G; ++g) {
-      float* sc = scores + g * kBlock;
-      float m_new = st.m[g];
-      for (int j = 0; j < n; ++j) {
-        m_new = std::max(m_new, sc[j]);
-      }
-      // A -inf score (or max) must give weight 0, not exp(-inf + inf) = NaN.
-      const float alpha = st.m[g] == kNegInf ? 0.0f : std::exp(st.m[g] - m_new);
-      exp_minus(sc, n, m_new);
-      float sum = 0.0f;
-      for (int j = 0; j < n; ++j) {
-        sum += sc[j];
-      }
-      st.l[g] = st.l[g] * alpha + sum;
-      st.m[g] = m_new;
+      const float alpha = softmax_block(scores + g * kBlock, n, st.m[g], st.l[g]);
       if (alpha != 1.0f) {
         float* acc = st.acc + g * D;
 #pragma omp simd
@@ -151,14 +127,14 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
     load_block<T, D>(vh, a.v_stride, t, n, block, rows);
     int g = 0;
     for (; g + 4 <= G; g += 4) {
-      accumulate_rows<D, 4>(st.acc + g * D, scores + g * kBlock, kBlock, rows, n);
+      accumulate_rows<D, 4>(st.acc + g * D, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
     }
     if (g + 2 <= G) {
-      accumulate_rows<D, 2>(st.acc + g * D, scores + g * kBlock, kBlock, rows, n);
+      accumulate_rows<D, 2>(st.acc + g * D, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
       g += 2;
     }
     if (g < G) {
-      accumulate_rows<D, 1>(st.acc + g * D, scores + g * kBlock, kBlock, rows, n);
+      accumulate_rows<D, 1>(st.acc + g * D, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
     }
   }
 }

@@ -3,6 +3,8 @@
 // place as float32, float16 or bfloat16 and widened in registers.
 #pragma once
 
+#include <cstdint>
+
 #include "cpu/convert.h"
 #include "cpu/vector_math.h"
 
@@ -25,19 +27,38 @@ inline void sum8x4(const f32x8* v, float* out) {
 #endif
 }
 
+// The rows to request from memory while a tile runs: row j of the tile has a
+// successor `offset` elements further on for j < rows. The requests are
+// spread over the tile's loop, one cache line per chunk, because a burst of
+// them stalls on the core's few miss buffers.
+struct Lookahead {
+  int64_t offset = 0;
+  int rows = 0;
+};
+
+// Requests, into L2, the line of row j's successor that holds element i, once
+// per line: on the chunk that starts it.
+template <typename T>
+inline void prefetch_successor(const T* row, int i, int j, Lookahead ahead) {
+  if (j < ahead.rows && (i * sizeof(T)) % 64 == 0) {
+    __builtin_prefetch(row + ahead.offset + i, 0, 1);
+  }
+}
+
 // Scores of a tile of H query heads against four rows of T (float32, or a
 // 16-bit type with a load8 overload that widens it):
 // out[h * out_stride + c] = dot(q + h * D, rows[c]) for h < H, c < 4.
 // Each row chunk loaded once serves H heads, and the 4H independent
 // accumulator chains hide the FMA latency a single dot is bound by.
 template <int D, int H, typename T>
-inline void dot_4_rows(const float* q, const T* const* rows, float* out, int out_stride) {
+inline void dot_4_rows(const float* q, const T* const* rows, float* out, int out_stride, Lookahead ahead = {}) {
   static_assert(D % 8 == 0, "head dims are multiples of 8");
   const T* r[4] = {rows[0], rows[1], rows[2], rows[3]};
   f32x8 s[H][4] = {};
   for (int i = 0; i < D; i += 8) {
     f32x8 k[4];
     for (int c = 0; c < 4; ++c) {
+      prefetch_successor(r[c], i, c, ahead);
       k[c] = in_register(load8(r[c] + i));
     }
     for (int h = 0; h < H; ++h) {
@@ -68,7 +89,8 @@ constexpr int slice_vectors(int D, int H) {
 // One slice of D at a time stays in registers over all n rows, so acc is
 // loaded and stored once per call, not once per row.
 template <int D, int H, typename T>
-inline void accumulate_rows(float* acc, const float* w, int w_stride, const T* const* rows, int n) {
+inline void accumulate_rows(
+    float* acc, const float* w, int w_stride, const T* const* rows, int n, Lookahead ahead = {}) {
   constexpr int W = slice_vectors(D, H);
   for (int i = 0; i < D; i += 8 * W) {
     f32x8 a[H][W];
@@ -80,6 +102,7 @@ inline void accumulate_rows(float* acc, const float* w, int w_stride, const T* c
     for (int j = 0; j < n; ++j) {
       f32x8 v[W];
       for (int c = 0; c < W; ++c) {
+        prefetch_successor(rows[j], i + 8 * c, j, ahead);
         v[c] = in_register(load8(rows[j] + i + 8 * c));
       }
       for (int h = 0; h < H; ++h) {

@@ -2,6 +2,7 @@
 // translation unit is compiled for.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -74,13 +75,41 @@ inline f32x8 exp8(f32x8 x) {
   return select(nan, x, select(underflow, splat(0.0f), p * two_k));
 }
 
-// x[j] = exp(x[j] - m) for j < n, with exp(-inf - m) = 0 even when m is -inf.
-// Works on whole groups of eight: x must have room for n rounded up to 8.
-inline void exp_minus(float* x, int n, float m) {
-  for (int j = 0; j < n; j += 8) {
-    const f32x8 v = load8(x + j);
-    store8(x + j, exp8(select(v == splat(-INFINITY), v, v - m)));
+// Larger of a and b lane by lane, ignoring NaN in b like std::max(a, b).
+inline f32x8 max8(f32x8 a, f32x8 b) {
+  return select(a < b, b, a);
+}
+
+// One block of the online softmax of one head over scores x[0, n).
+// Updates the running max m and sum l, turns x into weights exp(x - m_new)
+// and returns alpha = exp(m_old - m_new), the factor for the old accumulator.
+// x must have room for n rounded up to 8; lanes past n are set to weight 0.
+inline float softmax_block(float* x, int n, float& m, float& l) {
+  const float neg_inf = -INFINITY;
+  const int n8 = (n + 7) & ~7;
+  for (int j = n; j < n8; ++j) {
+    x[j] = neg_inf;
   }
+  f32x8 mv = splat(m);
+  for (int j = 0; j < n8; j += 8) {
+    mv = max8(mv, load8(x + j));
+  }
+  float m_new = mv[0];
+  for (int c = 1; c < 8; ++c) {
+    m_new = std::max(m_new, mv[c]);
+  }
+  // A -inf score (or max) must give weight 0, not exp(-inf + inf) = NaN.
+  const float alpha = m == neg_inf ? 0.0f : std::exp(m - m_new);
+  f32x8 sum = {};
+  for (int j = 0; j < n8; j += 8) {
+    const f32x8 v = load8(x + j);
+    const f32x8 w = exp8(select(v == splat(neg_inf), v, v - m_new));
+    store8(x + j, w);
+    sum += w;
+  }
+  l = l * alpha + sum8(sum);
+  m = m_new;
+  return alpha;
 }
 
 template <int D>
