@@ -67,6 +67,17 @@ void load_block(const T* head, const int64_t* stride, int t, int n, T* block, co
   }
 }
 
+// Requests rows [0, n) of a [n, D] block with the given row stride into L2.
+template <typename T, int D>
+void prefetch_rows(const T* first, int64_t row_stride, int n) {
+  for (int j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(first + j * row_stride);
+    for (int byte = 0; byte < D * static_cast<int>(sizeof(T)); byte += 64) {
+      __builtin_prefetch(row + byte, 0, 1);
+    }
+  }
+}
+
 template <typename T, int D>
 void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialState st) {
   const int G = a.G;
@@ -90,6 +101,11 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
   const T* vh = static_cast<const T*>(a.values) + b * a.v_stride[0] + h * a.v_stride[1];
   T* block = s.block.data();
   const T* rows[kBlock];
+  // Nothing prefetched the first block: its values are requested while its
+  // keys are scored.
+  if (a.v_stride[3] == 1) {
+    prefetch_rows<T, D>(vh + t0 * a.v_stride[2], a.v_stride[2], std::min(kBlock, t1 - t0));
+  }
   for (int t = t0; t < t1; t += kBlock) {
     const int n = std::min(kBlock, t1 - t);
     // The next block is requested from memory while this one is computed:
