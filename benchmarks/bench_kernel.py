@@ -5,9 +5,11 @@ Per row: median ms per layer call, GB/s of valid K/V bytes
 (sum_b valid_lens[b] * H_kv * D * 2 * itemsize), that as a fraction of the
 machine's read bandwidth measured at start, speedup over each peer, and the max
 error of the timed output against the reference. Each simulated layer has its
-own K/V buffers, so caches do not flatter the figures.
+own K/V buffers, so caches do not flatter the figures. Each skewed batch (one
+request of 2048, the rest 64) is paired with a uniform one of the same total
+bytes ("matched"); "/ matched" is the ratio of their times.
 
-    python benchmarks/bench_kernel.py            # full matrix (about 15 minutes)
+    python benchmarks/bench_kernel.py            # full matrix (about 20 minutes)
     python benchmarks/bench_kernel.py --quick    # the headline row only
 """
 
@@ -31,8 +33,10 @@ def lengths(kind, B):
         return np.random.default_rng(B).integers(512, 2049, size=B)
     if kind == "long":  # every request 8k: one request alone must still use all cores
         return np.full(B, 8192)
-    # skewed: one long request, the rest short
-    return np.array([2048] + [64] * (B - 1))[:B]
+    skewed = np.array([2048] + [64] * (B - 1))[:B]  # one long request, the rest short
+    if kind == "matched":  # uniform, with the skewed batch's total bytes
+        return np.full(B, round(skewed.sum() / B))
+    return skewed
 
 
 def torch_sdpa():
@@ -128,7 +132,7 @@ def main():
             (h, B, kind, d)
             for h in HEADS
             for B in (1, 4, 8, 16, 32)
-            for kind in ("uniform", "skewed") + (("long",) if B == 1 else ())
+            for kind in ("uniform",) + (("skewed", "matched") if B > 1 else ("long",))
             for d in DTYPES
         ]
     rows = []
@@ -138,12 +142,19 @@ def main():
         rows.append(row)
         print(f"[{i}/{len(cases)}] {h} B={B} {kind} {d}: {row['ms']:.3f} ms, {row['gbs']:.2f} GB/s", flush=True)
 
+    # Skewed vs uniform at the same total bytes: the cost should follow the bytes.
+    matched = {(r["heads"], r["B"], r["dtype"]): r["ms"] for r in rows if r["lengths"] == "matched"}
+    for r in rows:
+        if r["lengths"] == "skewed":
+            r["vs_matched"] = r["ms"] / matched[(r["heads"], r["B"], r["dtype"])]
+
     print()
     print_table(
         rows,
         [
             ("heads", "heads", "{}"), ("B", "B", "{}"), ("lengths", "lengths", "{}"), ("dtype", "dtype", "{}"),
             ("ms", "ms", "{:.3f}"), ("gbs", "GB/s", "{:.2f}"), ("frac_bw", "of bw", "{:.0%}"),
+            ("vs_matched", "/ matched", "{:.2f}"),
             ("sdpa_ms", "sdpa ms", "{:.2f}"), ("sdpa_gbs", "sdpa GB/s", "{:.2f}"), ("vs_sdpa", "x sdpa", "{:.1f}"),
             ("torch_ms", "torch ms", "{:.2f}"), ("vs_torch", "x torch", "{:.1f}"), ("max_err", "max err", "{:.1e}"),
         ],
