@@ -20,17 +20,19 @@ constexpr int kBlock = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Per-thread scratch, one per row type: scaled queries [G, D], scores
-// [G, kBlock] and a block of key or value rows [kBlock, D] gathered from a
+// [G, kBlock], the softmax rescale factors of a block [G] and a block of key or value rows [kBlock, D] gathered from a
 // strided last axis.
 template <typename T>
 struct Scratch {
   std::vector<float> q;
   std::vector<float> scores;
+  std::vector<float> alpha;
   std::vector<T> block;
 
   void reserve(int G, int D) {
     grow(q, static_cast<size_t>(G) * D);
     grow(scores, static_cast<size_t>(G) * kBlock);
+    grow(alpha, static_cast<size_t>(G));
     grow(block, static_cast<size_t>(kBlock) * D);
   }
 
@@ -85,6 +87,7 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
   s.reserve(G, D);
   float* qs = s.q.data();
   float* scores = s.scores.data();
+  float* alpha = s.alpha.data();
 
   const T* q = static_cast<const T*>(a.queries) + b * a.q_stride[0];
   for (int g = 0; g < G; ++g) {
@@ -129,28 +132,21 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
     }
 
     for (int g = 0; g < G; ++g) {
-      const float alpha = softmax_block(scores + g * kBlock, n, st.m[g], st.l[g]);
-      if (alpha != 1.0f) {
-        float* acc = st.acc + g * D;
-#pragma omp simd
-        for (int i = 0; i < D; ++i) {
-          acc[i] *= alpha;
-        }
-      }
+      alpha[g] = softmax_block(scores + g * kBlock, n, st.m[g], st.l[g]);
     }
 
     // Value rows in tiles of up to four heads, each row chunk loaded once per tile.
     load_block<T, D>(vh, a.v_stride, t, n, block, rows);
     int g = 0;
     for (; g + 4 <= G; g += 4) {
-      accumulate_rows<D, 4>(st.acc + g * D, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
+      accumulate_rows<D, 4>(st.acc + g * D, alpha + g, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
     }
     if (g + 2 <= G) {
-      accumulate_rows<D, 2>(st.acc + g * D, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
+      accumulate_rows<D, 2>(st.acc + g * D, alpha + g, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
       g += 2;
     }
     if (g < G) {
-      accumulate_rows<D, 1>(st.acc + g * D, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
+      accumulate_rows<D, 1>(st.acc + g * D, alpha + g, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
     }
   }
 }

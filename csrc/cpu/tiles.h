@@ -84,19 +84,20 @@ constexpr int slice_vectors(int D, int H) {
   return 1;
 }
 
-// Weighted rows of T into the accumulators of a tile of H heads:
-// acc[h] += sum_j w[h * w_stride + j] * rows[j] for h < H, j < n, acc [H, D].
-// One slice of D at a time stays in registers over all n rows, so acc is
-// loaded and stored once per call, not once per row.
+// Weighted rows of T into the rescaled accumulators of a tile of H heads:
+// acc[h] = alpha[h] * acc[h] + sum_j w[h * w_stride + j] * rows[j] for h < H,
+// j < n, acc [H, D]. One slice of D at a time stays in registers over all n
+// rows, so acc is loaded and stored once per call, not once per row, and the
+// online softmax's rescale rides on that load.
 template <int D, int H, typename T>
 inline void accumulate_rows(
-    float* acc, const float* w, int w_stride, const T* const* rows, int n, Lookahead ahead = {}) {
+    float* acc, const float* alpha, const float* w, int w_stride, const T* const* rows, int n, Lookahead ahead = {}) {
   constexpr int W = slice_vectors(D, H);
   for (int i = 0; i < D; i += 8 * W) {
     f32x8 a[H][W];
     for (int h = 0; h < H; ++h) {
       for (int c = 0; c < W; ++c) {
-        a[h][c] = load8(acc + h * D + i + 8 * c);
+        a[h][c] = load8(acc + h * D + i + 8 * c) * alpha[h];
       }
     }
     for (int j = 0; j < n; ++j) {
