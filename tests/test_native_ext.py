@@ -3,6 +3,7 @@
 import pathlib
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_batched_decode import _ext
@@ -28,6 +29,32 @@ def test_every_cpu_variant_matches_reference(isa, dtype, D):
     assert _ext.cpu_isa() == isa
     assert _ext.cpu_kernel_calls() == before + 1
     assert max_abs_error(out, numpy_reference(q, k, v, lens)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=dtype_id)
+def test_output_rounds_like_mlx(isa, dtype):
+    """16-bit outputs are rounded as MLX's own conversion rounds, ties included; NaN stays NaN.
+
+    Zero queries weigh two keys equally, so each output is (v0 + v1) / 2 computed
+    exactly in float32, one bit finer than the dtype; about half of them are ties.
+    """
+    B, H, D = 3, 2, 64
+    bits = {mx.float16: 11, mx.bfloat16: 8}[dtype]
+    rng = np.random.default_rng(bits)
+    # Integers with exactly `bits` significant bits: their halved sums need one more.
+    grid = rng.choice([-1, 1], size=(B, H, 2, D)) * rng.integers(2 ** (bits - 1), 2**bits, size=(B, H, 2, D)) / 2.0**5
+    grid[2, 1, 0, 7] = np.nan  # one NaN value: that output is NaN
+    v = mx.array(grid.astype(np.float32)).astype(dtype)
+    k = mx.ones((B, H, 2, D), dtype)
+    q = mx.zeros((B, H, 1, D), dtype)
+    out = _ext.batched_decode_attention(q, k, v, mx.array([2] * B))
+    v32 = v.astype(mx.float32)
+    expected = ((v32[:, :, 0] + v32[:, :, 1]) * 0.5).astype(dtype)[:, :, None]
+    nan = np.isnan(np.array(expected.astype(mx.float32)))
+    assert nan.sum() == 1
+    assert np.array_equal(np.isnan(np.array(out.astype(mx.float32))), nan)
+    # Bit for bit elsewhere (NaN payloads are not compared).
+    assert np.array_equal(np.array(out.view(mx.uint16))[~nan], np.array(expected.view(mx.uint16))[~nan])
 
 
 def test_variants_list_and_selection():

@@ -1,5 +1,6 @@
 // Loads of eight 16-bit floats widened to float32 in registers, so the kernel
-// reads float16 and bfloat16 rows in place. Compiled into every
+// reads float16 and bfloat16 rows in place, and stores that narrow them back
+// (MLX's scalar conversions cost a few nanoseconds per element). Compiled into every
 // instruction-set variant of the kernel; the instructions used depend on the
 // flags that variant is compiled with.
 #pragma once
@@ -58,6 +59,30 @@ inline f32x8 load8(const mx::bfloat16_t* p) {
   }
   return v;
 #endif
+}
+
+// Eight float32 lanes rounded to nearest even, as mx::float16_t(float) does.
+inline void store8(mx::float16_t* p, f32x8 v) {
+#if defined(__AVX2__) && defined(__F16C__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+#else
+  for (int i = 0; i < 8; ++i) {
+    p[i] = static_cast<mx::float16_t>(v[i]);
+  }
+#endif
+}
+
+// Eight float32 lanes as mx::bfloat16_t(float) converts them: round the top
+// half to nearest even, NaN to MLX's bfloat16 NaN. Plain vector code that any
+// SIMD ISA lowers.
+inline void store8(mx::bfloat16_t* p, f32x8 v) {
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  const u32x8 bits = (u32x8)v;
+  const u32x8 rounded = (bits + ((bits >> 16) & 1u) + 0x7fffu) >> 16;
+  const u32x8 nan = (u32x8)(v != v);
+  const u16x8 narrow = __builtin_convertvector((nan & __MLX_BFLOAT_NAN__) | (~nan & rounded), u16x8);
+  std::memcpy(p, &narrow, sizeof(narrow));
 }
 
 } // namespace mlx_batched_decode::cpu

@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/convert.h"
 #include "cpu/decode_args.h"
 #include "cpu/kernel_table.h"
 #include "cpu/tiles.h"
@@ -92,8 +93,14 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
   const T* q = static_cast<const T*>(a.queries) + b * a.q_stride[0];
   for (int g = 0; g < G; ++g) {
     const T* qr = q + static_cast<int64_t>(h * G + g) * a.q_stride[1];
-    for (int i = 0; i < D; ++i) {
-      qs[g * D + i] = static_cast<float>(qr[i * a.q_stride[2]]) * a.scale;
+    if (a.q_stride[2] == 1) {
+      for (int i = 0; i < D; i += 8) {
+        store8(qs + g * D + i, load8(qr + i) * splat(a.scale));
+      }
+    } else {
+      for (int i = 0; i < D; ++i) {
+        qs[g * D + i] = static_cast<float>(qr[i * a.q_stride[2]]) * a.scale;
+      }
     }
     st.m[g] = kNegInf;
     st.l[g] = 0.0f;
@@ -176,9 +183,9 @@ void finalize(const DecodeArgs& a, int b, int h, float* parts, int n) {
       axpy<D>(acc, w, p.acc + g * D);
     }
     // l == 0 only when every score was -inf: 0/0 = NaN, as in the reference.
-    const float inv = 1.0f / l;
-    for (int i = 0; i < D; ++i) {
-      o[i] = static_cast<T>(acc[i] * inv);
+    const f32x8 inv = splat(1.0f / l);
+    for (int i = 0; i < D; i += 8) {
+      store8(o + i, load8(acc + i) * inv);
     }
   }
 }
