@@ -47,8 +47,15 @@ struct PartialState {
   }
 };
 
-// Attends the G query heads of (b, h) to keys [t0, t1) and stores the state.
-using ChunkFn = void (*)(const DecodeArgs&, int b, int h, int t0, int t1, PartialState);
+// Keys [t0, t1) of request b, KV head h: one work item.
+struct Chunk {
+  int b, h, t0, t1;
+};
+
+// Attends the G query heads of c.b, c.h to keys [c.t0, c.t1) and stores the
+// state. next, if not null, is the chunk this thread runs after it: its first
+// rows are requested from memory while this one ends.
+using ChunkFn = void (*)(const DecodeArgs&, const Chunk& c, PartialState, const Chunk* next);
 // Merges the n partial states stored back to back at parts and writes the G
 // output rows of (b, h); n == 0 writes zeros (empty request).
 using FinalizeFn = void (*)(const DecodeArgs&, int b, int h, float* parts, int n);

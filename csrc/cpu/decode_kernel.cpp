@@ -81,8 +81,28 @@ void prefetch_rows(const T* first, int64_t row_stride, int n) {
   }
 }
 
+// The rows to request while block [t, t + n) of chunk c runs: the next block
+// of c, else the first block of the chunk this thread runs next, so that short
+// chunks do not each start cold. Gathered rows (strided last axis) have no
+// fixed successor offset and are not requested.
+inline Lookahead successor_rows(const int64_t* stride, const Chunk& c, int t, int n, const Chunk* next) {
+  if (stride[3] != 1) {
+    return {};
+  }
+  if (t + n < c.t1) {
+    return {kBlock * stride[2], std::min(kBlock, c.t1 - t - n)};
+  }
+  if (next == nullptr || next->t1 <= next->t0) {
+    return {};
+  }
+  const int64_t offset = int64_t{next->b - c.b} * stride[0] + int64_t{next->h - c.h} * stride[1] +
+      int64_t{next->t0 - t} * stride[2];
+  return {offset, std::min(kBlock, next->t1 - next->t0)};
+}
+
 template <typename T, int D>
-void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialState st) {
+void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Chunk* next) {
+  const int b = c.b, h = c.h, t0 = c.t0, t1 = c.t1;
   const int G = a.G;
   Scratch<T>& s = tls_scratch<T>;
   s.reserve(G, D);
@@ -111,19 +131,17 @@ void attend_chunk(const DecodeArgs& a, int b, int h, int t0, int t1, PartialStat
   const T* vh = static_cast<const T*>(a.values) + b * a.v_stride[0] + h * a.v_stride[1];
   T* block = s.block.data();
   const T* rows[kBlock];
-  // Nothing prefetched the first block: its values are requested while its
-  // keys are scored.
+  // The first block's values are requested while its keys are scored, in case
+  // no previous chunk requested them.
   if (a.v_stride[3] == 1) {
     prefetch_rows<T, D>(vh + t0 * a.v_stride[2], a.v_stride[2], std::min(kBlock, t1 - t0));
   }
   for (int t = t0; t < t1; t += kBlock) {
     const int n = std::min(kBlock, t1 - t);
-    // The next block is requested from memory while this one is computed:
-    // hardware prefetchers stop at each 4 KiB page. Gathered rows have no
-    // fixed successor offset and are not prefetched.
-    const int n_next = std::min(kBlock, t1 - t - n);
-    const Lookahead k_next{kBlock * a.k_stride[2], a.k_stride[3] == 1 ? n_next : 0};
-    const Lookahead v_next{kBlock * a.v_stride[2], a.v_stride[3] == 1 ? n_next : 0};
+    // The next rows are requested from memory while this block is computed:
+    // hardware prefetchers stop at each 4 KiB page.
+    const Lookahead k_next = successor_rows(a.k_stride, c, t, n, next);
+    const Lookahead v_next = successor_rows(a.v_stride, c, t, n, next);
 
     // Each key row is read once and scored against all G query heads, two at a time.
     load_block<T, D>(kh, a.k_stride, t, n, block, rows);

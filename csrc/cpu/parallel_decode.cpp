@@ -44,7 +44,7 @@ ThreadPool& pool() {
 }
 
 struct Item {
-  int b, h, t0, t1;
+  Chunk chunk;
   int64_t pair; // index of (b, h) in parts_begin / remaining
 };
 
@@ -58,31 +58,36 @@ struct Call {
   std::atomic<int> next{0};
   std::atomic<int> done{0};
 
-  void process(const Item& it) {
+  void process(const Item& it, const Item* following) {
+    const Chunk& c = it.chunk;
     const int64_t first = parts_begin[it.pair];
     const int n = static_cast<int>(parts_begin[it.pair + 1] - first);
     const int64_t part_size = PartialState::size(args.G, args.D);
     float* base = parts.data() + first * part_size;
     if (n == 0) {
-      fns.finalize(args, it.b, it.h, nullptr, 0);
+      fns.finalize(args, c.b, c.h, nullptr, 0);
       return;
     }
-    const int c = (it.t0 / kChunk);
-    fns.chunk(args, it.b, it.h, it.t0, it.t1, PartialState::at(base + c * part_size, args.G, args.D));
+    const int64_t part = c.t0 / kChunk;
+    fns.chunk(args, c, PartialState::at(base + part * part_size, args.G, args.D), following ? &following->chunk : nullptr);
     // The last chunk of a pair to finish merges them; acq_rel makes the other
     // chunks' partial states visible to it.
     if (remaining[it.pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      fns.finalize(args, it.b, it.h, base, n);
+      fns.finalize(args, c.b, c.h, base, n);
     }
   }
 
   void work() {
     const int n = static_cast<int>(items.size());
-    for (int i; (i = next.fetch_add(1)) < n;) {
-      process(items[i]);
+    for (int i = next.fetch_add(1); i < n;) {
+      // The following item is claimed before this one runs, so that its first
+      // rows arrive while this one ends: short items would otherwise start cold.
+      const int j = next.fetch_add(1);
+      process(items[i], j < n ? &items[j] : nullptr);
       if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
         done.notify_all();
       }
+      i = j;
     }
   }
 };
@@ -104,10 +109,10 @@ std::shared_ptr<Call> plan(const DecodeArgs& a) {
       call->remaining[pair].store(chunks, std::memory_order_relaxed);
       total += chunks;
       if (chunks == 0) {
-        call->items.push_back({b, h, 0, 0, pair});
+        call->items.push_back({{b, h, 0, 0}, pair});
       }
       for (int c = 0; c < chunks; ++c) {
-        call->items.push_back({b, h, c * kChunk, std::min(len, (c + 1) * kChunk), pair});
+        call->items.push_back({{b, h, c * kChunk, std::min(len, (c + 1) * kChunk)}, pair});
       }
     }
   }
