@@ -3,13 +3,17 @@
 
 Per row: median ms per layer call, GB/s of valid K/V bytes
 (sum_b valid_lens[b] * H_kv * D * 2 * itemsize), that as a fraction of the
-machine's read bandwidth measured at start, speedup over each peer, and the max
-error of the timed output against the reference. Each simulated layer has its
-own K/V buffers, so caches do not flatter the figures. Each skewed batch (one
-request of 2048, the rest 64) is paired with a uniform one of the same total
-bytes ("matched"); "/ matched" is the ratio of their times.
+machine's read bandwidth, speedup over each peer, and the max error of the
+timed output against the reference. Each simulated layer has its own K/V
+buffers, so caches do not flatter the figures. Each skewed batch (one request
+of 2048, the rest 64) is paired with a uniform one of the same total bytes
+("matched"); "/ matched" is the ratio of their times.
 
-    python benchmarks/bench_kernel.py            # full matrix (about 20 minutes)
+Memory speed on a shared machine drifts, so the kernel is timed in turns with
+a read-bandwidth probe (and a skewed batch with its matched one): "of bw" is
+the kernel's GB/s over the probe's, both measured in the same seconds.
+
+    python benchmarks/bench_kernel.py            # full matrix (about 35 minutes)
     python benchmarks/bench_kernel.py --quick    # the headline row only
 """
 
@@ -22,7 +26,7 @@ import numpy as np
 import mlx_batched_decode as mbd
 from mlx_batched_decode import _ext
 
-from common import machine, median_seconds, print_table, read_bandwidth_gbs, save
+from common import ReadBandwidth, interleaved_medians, machine, median_seconds, print_table, save
 
 HEADS = {"llama3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "mha": (32, 32, 128)}
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -55,56 +59,79 @@ def torch_sdpa():
     return torch, run
 
 
-def bench_case(heads, B, kind, dtype_name, layers, peers, bandwidth):
-    H_q, H_kv, D = heads
-    dtype = DTYPES[dtype_name]
-    lens_np = lengths(kind, B)
-    T = int(lens_np.max())
-    lens = mx.array(lens_np, dtype=mx.int32)
-    q = mx.random.normal((B, H_q, 1, D)).astype(dtype)
-    kv = [
-        (mx.random.normal((B, H_kv, T, D)).astype(dtype), mx.random.normal((B, H_kv, T, D)).astype(dtype))
-        for _ in range(layers)
-    ]
-    mask = mx.arange(T)[None, None, None, :] < lens[:, None, None, None]
-    mx.eval(q, kv, mask)
-    scale = 1.0 / math.sqrt(D)
-    valid_bytes = int(lens_np.sum()) * H_kv * D * 2 * q.itemsize
+class Case:
+    """Padded inputs of one row: q [B, H_q, 1, D], `layers` pairs of K/V [B, H_kv, T, D]."""
 
-    def ours():
-        return [mbd.batched_decode_attention(q, k, v, lens) for k, v in kv]
+    def __init__(self, heads, B, kind, dtype_name, layers):
+        H_q, H_kv, D = heads
+        self.dtype_name = dtype_name
+        dtype = DTYPES[dtype_name]
+        self.lens_np = lengths(kind, B)
+        T = int(self.lens_np.max())
+        self.lens = mx.array(self.lens_np, dtype=mx.int32)
+        self.q = mx.random.normal((B, H_q, 1, D)).astype(dtype)
+        self.kv = [
+            (mx.random.normal((B, H_kv, T, D)).astype(dtype), mx.random.normal((B, H_kv, T, D)).astype(dtype))
+            for _ in range(layers)
+        ]
+        self.mask = mx.arange(T)[None, None, None, :] < self.lens[:, None, None, None]
+        mx.eval(self.q, self.kv, self.mask)
+        self.scale = 1.0 / math.sqrt(D)
+        valid_bytes = int(self.lens_np.sum()) * H_kv * D * 2 * self.q.itemsize
+        self.row = {"heads": heads, "B": B, "lengths": kind, "dtype": dtype_name, "T": T, "valid_bytes": valid_bytes}
 
-    def sdpa():
-        return [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask) for k, v in kv]
+    def ours(self):
+        return [mbd.batched_decode_attention(self.q, k, v, self.lens) for k, v in self.kv]
 
-    row = {"heads": heads, "B": B, "lengths": kind, "dtype": dtype_name, "T": T, "valid_bytes": valid_bytes}
-    t = median_seconds(lambda: mx.eval(ours())) / layers
-    row.update(ms=t * 1e3, gbs=valid_bytes / t / 1e9, frac_bw=valid_bytes / t / 1e9 / bandwidth)
+    def run_ours(self):
+        mx.eval(self.ours())
+
+    def sdpa(self):
+        return [mx.fast.scaled_dot_product_attention(self.q, k, v, scale=self.scale, mask=self.mask) for k, v in self.kv]
+
+
+def finish_row(case, seconds, bandwidth, peers):
+    """The row of a case timed at `seconds` per call of all layers, beside a probe of `bandwidth` GB/s."""
+    row, layers = case.row, len(case.kv)
+    t = seconds / layers
+    gbs = row["valid_bytes"] / t / 1e9
+    row.update(ms=t * 1e3, gbs=gbs, bw_gbs=bandwidth, frac_bw=gbs / bandwidth)
 
     # The timed output, checked against the reference on every layer's inputs.
-    outs = ours()
     err = 0.0
-    for out, (k, v) in zip(outs, kv):
-        ref = mbd.reference_attention(q, k, v, lens)
+    for out, (k, v) in zip(case.ours(), case.kv):
+        ref = mbd.reference_attention(case.q, k, v, case.lens)
         err = max(err, mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item())
     row["max_err"] = err
-    tol = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}[dtype_name]
+    tol = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}[case.dtype_name]
     assert err < tol, f"wrong result: {row}"
 
     if "sdpa" in peers:
-        t_sdpa = median_seconds(lambda: mx.eval(sdpa()), warmup=1, repeats=3) / layers
-        row.update(sdpa_ms=t_sdpa * 1e3, sdpa_gbs=valid_bytes / t_sdpa / 1e9, vs_sdpa=t_sdpa / t)
-    if "torch" in peers and dtype_name != "bfloat16":
+        t_sdpa = median_seconds(lambda: mx.eval(case.sdpa()), warmup=1, repeats=3) / layers
+        row.update(sdpa_ms=t_sdpa * 1e3, sdpa_gbs=row["valid_bytes"] / t_sdpa / 1e9, vs_sdpa=t_sdpa / t)
+    if "torch" in peers and case.dtype_name != "bfloat16":
         torch, run = peers["torch"]
-        tq = torch.from_numpy(np.array(q.astype(mx.float32))).to(getattr(torch, dtype_name))
-        tkv = [
-            tuple(torch.from_numpy(np.array(x.astype(mx.float32))).to(getattr(torch, dtype_name)) for x in pair)
-            for pair in kv
-        ]
-        tmask = torch.from_numpy(np.array(mask))
-        t_torch = median_seconds(lambda: [run(tq, k, v, tmask, scale) for k, v in tkv], warmup=1, repeats=3) / layers
+        tdtype = getattr(torch, case.dtype_name)
+
+        def to_torch(x):
+            return torch.from_numpy(np.array(x.astype(mx.float32))).to(tdtype)
+
+        tq, tmask = to_torch(case.q), torch.from_numpy(np.array(case.mask))
+        tkv = [(to_torch(k), to_torch(v)) for k, v in case.kv]
+        t_torch = median_seconds(lambda: [run(tq, k, v, tmask, case.scale) for k, v in tkv], warmup=1, repeats=3) / layers
         row.update(torch_ms=t_torch * 1e3, vs_torch=t_torch / t)
     return row
+
+
+def bench_group(heads, B, kinds, dtype_name, layers, peers, probe):
+    """Rows for `kinds` of one shape, timed in turns with each other and the probe."""
+    cases = [Case(heads, B, kind, dtype_name, layers) for kind in kinds]
+    *seconds, probe_s = interleaved_medians([c.run_ours for c in cases] + [probe.probe])
+    bandwidth = probe.gbs(probe_s)
+    rows = [finish_row(c, t, bandwidth, peers) for c, t in zip(cases, seconds)]
+    if kinds == ("skewed", "matched"):
+        rows[0]["vs_matched"] = rows[0]["ms"] / rows[1]["ms"]
+    return rows
 
 
 def main():
@@ -112,13 +139,14 @@ def main():
     parser.add_argument("--quick", action="store_true", help="headline row only: llama3-8b heads, B=8, 512-2048, all dtypes")
     parser.add_argument("--layers", type=int, default=4, help="distinct K/V buffers cycled per timing")
     parser.add_argument("--no-sdpa", action="store_true", help="skip the mx.fast SDPA peer (slow on CPU)")
+    parser.add_argument("--heads", nargs="+", choices=HEADS, default=list(HEADS), help="head layouts of the full matrix")
     parser.add_argument("--output", default="kernel", help="results/<name>.json")
     args = parser.parse_args()
 
     mx.set_default_device(mx.cpu)
-    bandwidth = read_bandwidth_gbs()
-    info = machine() | {"read_bandwidth_gbs": bandwidth, "cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads()}
-    print(f"{info['cpu']}, {info['cores']} cores, kernel {info['cpu_isa']}; read bandwidth {bandwidth:.1f} GB/s")
+    probe = ReadBandwidth()
+    info = machine() | {"cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads()}
+    print(f"{info['cpu']}, {info['cores']} cores, kernel {info['cpu_isa']}")
 
     peers = {} if args.no_sdpa else {"sdpa": True}
     torch = torch_sdpa()
@@ -126,34 +154,33 @@ def main():
         peers["torch"] = torch
 
     if args.quick:
-        cases = [("llama3-8b", 8, "uniform", d) for d in DTYPES]
+        groups = [("llama3-8b", 8, ("uniform",), d) for d in DTYPES]
     else:
-        cases = [
-            (h, B, kind, d)
-            for h in HEADS
+        groups = [
+            (h, B, kinds, d)
+            for h in args.heads
             for B in (1, 4, 8, 16, 32)
-            for kind in ("uniform",) + (("skewed", "matched") if B > 1 else ("long",))
+            for kinds in (("uniform",), ("skewed", "matched") if B > 1 else ("long",))
             for d in DTYPES
         ]
     rows = []
-    for i, (h, B, kind, d) in enumerate(cases, 1):
-        row = bench_case(HEADS[h], B, kind, d, args.layers, peers, bandwidth)
-        row["heads"] = h
-        rows.append(row)
-        print(f"[{i}/{len(cases)}] {h} B={B} {kind} {d}: {row['ms']:.3f} ms, {row['gbs']:.2f} GB/s", flush=True)
-
-    # Skewed vs uniform at the same total bytes: the cost should follow the bytes.
-    matched = {(r["heads"], r["B"], r["dtype"]): r["ms"] for r in rows if r["lengths"] == "matched"}
-    for r in rows:
-        if r["lengths"] == "skewed":
-            r["vs_matched"] = r["ms"] / matched[(r["heads"], r["B"], r["dtype"])]
+    for i, (h, B, kinds, d) in enumerate(groups, 1):
+        for row in bench_group(HEADS[h], B, kinds, d, args.layers, peers, probe):
+            row["heads"] = h
+            rows.append(row)
+            print(
+                f"[{i}/{len(groups)}] {h} B={B} {row['lengths']} {d}: {row['ms']:.3f} ms, {row['gbs']:.2f} GB/s, "
+                f"{row['frac_bw']:.0%} of {row['bw_gbs']:.1f} GB/s",
+                flush=True,
+            )
+    info["read_bandwidth_gbs"] = float(np.median([r["bw_gbs"] for r in rows]))
 
     print()
     print_table(
         rows,
         [
             ("heads", "heads", "{}"), ("B", "B", "{}"), ("lengths", "lengths", "{}"), ("dtype", "dtype", "{}"),
-            ("ms", "ms", "{:.3f}"), ("gbs", "GB/s", "{:.2f}"), ("frac_bw", "of bw", "{:.0%}"),
+            ("ms", "ms", "{:.3f}"), ("gbs", "GB/s", "{:.2f}"), ("bw_gbs", "bw GB/s", "{:.1f}"), ("frac_bw", "of bw", "{:.0%}"),
             ("vs_matched", "/ matched", "{:.2f}"),
             ("sdpa_ms", "sdpa ms", "{:.2f}"), ("sdpa_gbs", "sdpa GB/s", "{:.2f}"), ("vs_sdpa", "x sdpa", "{:.1f}"),
             ("torch_ms", "torch ms", "{:.2f}"), ("vs_torch", "x torch", "{:.1f}"), ("max_err", "max err", "{:.1e}"),

@@ -14,30 +14,51 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 
 def median_seconds(fn, warmup=3, repeats=15):
     """Median wall time of fn() after warm-up; fn must block until done."""
+    return interleaved_medians([fn], warmup, repeats)[0]
+
+
+def interleaved_medians(fns, warmup=3, repeats=15):
+    """Median wall time of each fn, timed in turns (f0, f1, f2, f2, f1, f0, ...).
+
+    Memory speed on a shared machine drifts from second to second; timed in
+    turns, the functions see the same drift, so their ratios are fair. The
+    order flips every round, so each fn follows each other one equally often
+    (what ran before leaves caches and sleeping threads behind).
+    """
     for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    turns = list(zip(fns, times))
+    for round_ in range(repeats):
+        for fn, ts in turns if round_ % 2 == 0 else turns[::-1]:
+            start = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - start)
+    return [float(np.median(ts)) for ts in times]
 
 
-def read_bandwidth_gbs(nbytes=1 << 29, threads=None):
-    """Machine read bandwidth: all cores summing disjoint slices of a large array."""
-    threads = threads or os.cpu_count() or 1
-    data = np.ones(nbytes // 8, dtype=np.float64)
-    parts = np.array_split(data, threads)
+class ReadBandwidth:
+    """Machine read bandwidth: all cores summing disjoint slices of a large array.
 
-    def run():
-        workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+    probe() reads it once (call it in turns with the code it is compared to);
+    gbs(seconds) converts a probe's time to GB/s.
+    """
+
+    def __init__(self, nbytes=1 << 29, threads=None):
+        self.nbytes = nbytes
+        data = np.ones(nbytes // 8, dtype=np.float64)
+        self.parts = np.array_split(data, threads or os.cpu_count() or 1)
+
+    def probe(self):
+        workers = [threading.Thread(target=np.sum, args=(p,)) for p in self.parts]
         for w in workers:
             w.start()
         for w in workers:
             w.join()
 
-    return nbytes / median_seconds(run, warmup=2, repeats=7) / 1e9
+    def gbs(self, seconds):
+        return self.nbytes / seconds / 1e9
 
 
 def machine():
