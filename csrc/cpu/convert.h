@@ -1,8 +1,8 @@
 // Loads of eight 16-bit floats widened to float32 in registers, so the kernel
 // reads float16 and bfloat16 rows in place, and stores that narrow them back
-// (MLX's scalar conversions cost a few nanoseconds per element). Compiled into every
-// instruction-set variant of the kernel; the instructions used depend on the
-// flags that variant is compiled with.
+// (MLX's scalar conversions cost a few nanoseconds per element). Compiled
+// into every instruction-set variant of the kernel; the instructions used
+// depend on the flags that variant is compiled with.
 #pragma once
 
 #include <bit>
