@@ -8,6 +8,7 @@
 #include "batched_decode_attention.h"
 #include "cpu/isa.h"
 #include "cpu/parallel_decode.h"
+#include "huge_pages.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -73,6 +74,25 @@ Raises:
       R"(``batched_decode_attention`` in plain MLX ops (float32 softmax with a
 length mask). Same arguments, shapes and errors; slower, differentiable, and
 the fallback the primitive uses for vjp, jvp and vmap.)");
+
+  m.def(
+      "advise_huge_pages",
+      &mbd::advise_huge_pages,
+      "array"_a,
+      nb::sig("def advise_huge_pages(array: mlx.core.array) -> int"),
+      R"(Moves an evaluated array's memory onto transparent huge pages (Linux).
+
+Only whole huge pages inside the array's buffer move; contents are kept.
+
+Args:
+    array (array): evaluated, any shape and dtype.
+
+Returns:
+    int: bytes now on huge pages; 0 if the kernel gave none or the platform
+    has no transparent huge pages.
+
+Raises:
+    ValueError: the array is not evaluated.)");
 
   m.def("cpu_kernel_calls", &mbd::cpu::kernel_calls,
         "Number of times the fused CPU kernel has run in this process.");

@@ -7,9 +7,9 @@ on Apple GPUs), reading strided cache views in place.
 
 import mlx.core  # noqa: F401  registers MLX's types before the extension loads
 
-from ._ext import batched_decode_attention, reference_attention
+from ._ext import advise_huge_pages, batched_decode_attention, reference_attention
 
-__all__ = ["batched_decode_attention", "reference_attention"]
+__all__ = ["advise_huge_pages", "batched_decode_attention", "reference_attention"]
 
 # The decode layer (issue 4): per-step context, KV caches, attention paths, mlx-lm adapter.
 # None of these imports mlx-lm at import time; it is needed only to run a BatchedDecoder.

@@ -10,6 +10,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ._ext import advise_huge_pages
 from .context import BatchedDecodeContext
 
 
@@ -65,7 +66,8 @@ class SlotKVCache:
     at its own offset with one scatter per buffer, in place, and attention reads the strided view
     ``buffer[:B, :, :max_len]`` without a copy. The buffers are made on the first write, their
     capacity grows in chunks of ``step`` positions when a request outgrows it, and their slot count
-    grows when more requests decode at once than there are slots.
+    grows when more requests decode at once than there are slots. On Linux the buffers live on
+    transparent huge pages, where the kernel streams them faster (``advise_huge_pages``).
     """
 
     def __init__(self, step: int = 256):
@@ -100,6 +102,7 @@ class SlotKVCache:
             self.values = mx.zeros(
                 (slots, values.shape[1], capacity, values.shape[3]), values.dtype
             )
+            self._place_on_huge_pages()
             return
         if length <= self.capacity and slots <= self.slots:
             return
@@ -110,6 +113,14 @@ class SlotKVCache:
         widths = [(0, new_slots - self.slots), (0, 0), (0, new_capacity - self.capacity), (0, 0)]
         self.keys = mx.pad(self.keys, widths)
         self.values = mx.pad(self.values, widths)
+        self._place_on_huge_pages()
+
+    def _place_on_huge_pages(self) -> None:
+        # New buffers only: the in-place writes of later steps keep the memory, and with it the
+        # pages. The pages are chosen once the memory exists, so this costs a sync per growth.
+        mx.eval(self.keys, self.values)
+        advise_huge_pages(self.keys)
+        advise_huge_pages(self.values)
 
     def write_prompt(self, slot: int, keys: mx.array, values: mx.array) -> None:
         """Store a prefilled request's ``[1, H_kv, L, D]`` keys/values at positions
