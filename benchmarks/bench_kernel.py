@@ -9,6 +9,10 @@ buffers, so caches do not flatter the figures. Each skewed batch (one request
 of 2048, the rest 64) is paired with a uniform one of the same total bytes
 ("matched"); "/ matched" is the ratio of their times.
 
+K/V live on transparent huge pages, as SlotKVCache keeps them on Linux
+(mlx_batched_decode.advise_huge_pages); --small-pages leaves them on MLX's
+default 4 KiB pages. Each row records the fraction that sat on huge pages.
+
 Memory speed on a shared machine drifts, so the kernel is timed in turns with
 a read-bandwidth probe (and a skewed batch with its matched one): "of bw" is
 the kernel's GB/s over the probe's, both measured in the same seconds.
@@ -62,7 +66,7 @@ def torch_sdpa():
 class Case:
     """Padded inputs of one row: q [B, H_q, 1, D], `layers` pairs of K/V [B, H_kv, T, D]."""
 
-    def __init__(self, heads, B, kind, dtype_name, layers):
+    def __init__(self, heads, B, kind, dtype_name, layers, huge_pages):
         H_q, H_kv, D = heads
         self.dtype_name = dtype_name
         dtype = DTYPES[dtype_name]
@@ -76,9 +80,13 @@ class Case:
         ]
         self.mask = mx.arange(T)[None, None, None, :] < self.lens[:, None, None, None]
         mx.eval(self.q, self.kv, self.mask)
+        on_huge = sum(mbd.advise_huge_pages(a) for kv in self.kv for a in kv) if huge_pages else 0
         self.scale = 1.0 / math.sqrt(D)
         valid_bytes = int(self.lens_np.sum()) * H_kv * D * 2 * self.q.itemsize
-        self.row = {"heads": heads, "B": B, "lengths": kind, "dtype": dtype_name, "T": T, "valid_bytes": valid_bytes}
+        self.row = {
+            "heads": heads, "B": B, "lengths": kind, "dtype": dtype_name, "T": T, "valid_bytes": valid_bytes,
+            "kv_on_huge_pages": on_huge / sum(a.nbytes for kv in self.kv for a in kv),
+        }
 
     def ours(self):
         return [mbd.batched_decode_attention(self.q, k, v, self.lens) for k, v in self.kv]
@@ -123,9 +131,9 @@ def finish_row(case, seconds, bandwidth, peers):
     return row
 
 
-def bench_group(heads, B, kinds, dtype_name, layers, peers, probe):
+def bench_group(heads, B, kinds, dtype_name, layers, huge_pages, peers, probe):
     """Rows for `kinds` of one shape, timed in turns with each other and the probe."""
-    cases = [Case(heads, B, kind, dtype_name, layers) for kind in kinds]
+    cases = [Case(heads, B, kind, dtype_name, layers, huge_pages) for kind in kinds]
     *seconds, probe_s = interleaved_medians([c.run_ours for c in cases] + [probe.probe])
     bandwidth = probe.gbs(probe_s)
     rows = [finish_row(c, t, bandwidth, peers) for c, t in zip(cases, seconds)]
@@ -140,13 +148,16 @@ def main():
     parser.add_argument("--layers", type=int, default=4, help="distinct K/V buffers cycled per timing")
     parser.add_argument("--no-sdpa", action="store_true", help="skip the mx.fast SDPA peer (slow on CPU)")
     parser.add_argument("--heads", nargs="+", choices=HEADS, default=list(HEADS), help="head layouts of the full matrix")
+    parser.add_argument("--small-pages", action="store_true", help="leave K/V on 4 KiB pages (no advise_huge_pages)")
     parser.add_argument("--output", default="kernel", help="results/<name>.json")
     args = parser.parse_args()
 
     mx.set_default_device(mx.cpu)
     probe = ReadBandwidth()
-    info = machine() | {"cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads()}
-    print(f"{info['cpu']}, {info['cores']} cores, kernel {info['cpu_isa']}")
+    info = machine() | {
+        "cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads(), "kv_pages": "small" if args.small_pages else "huge"
+    }
+    print(f"{info['cpu']}, {info['cores']} cores, kernel {info['cpu_isa']}, K/V on {info['kv_pages']} pages")
 
     peers = {} if args.no_sdpa else {"sdpa": True}
     torch = torch_sdpa()
@@ -165,7 +176,7 @@ def main():
         ]
     rows = []
     for i, (h, B, kinds, d) in enumerate(groups, 1):
-        for row in bench_group(HEADS[h], B, kinds, d, args.layers, peers, probe):
+        for row in bench_group(HEADS[h], B, kinds, d, args.layers, not args.small_pages, peers, probe):
             row["heads"] = h
             rows.append(row)
             print(
