@@ -15,10 +15,12 @@ default 4 KiB pages. Each row records the fraction that sat on huge pages.
 
 Memory speed on a shared machine drifts, so the kernel is timed in turns with
 a read-bandwidth probe (and a skewed batch with its matched one): "of bw" is
-the kernel's GB/s over the probe's, both measured in the same seconds.
+the kernel's GB/s over the probe's, both measured in the same seconds. With
+--rounds N every row is measured N times, on fresh buffers, the rounds spread
+over the run; each figure is the median of its N values (peers: first round).
 
     python benchmarks/bench_kernel.py            # full matrix (about 35 minutes)
-    python benchmarks/bench_kernel.py --quick    # the headline row only
+    python benchmarks/bench_kernel.py --quick    # the target rows, 5 rounds (about 5 minutes)
 """
 
 import argparse
@@ -142,9 +144,34 @@ def bench_group(heads, B, kinds, dtype_name, layers, huge_pages, peers, probe):
     return rows
 
 
+MEASURED = ("ms", "gbs", "bw_gbs", "frac_bw", "vs_matched", "max_err")
+
+
+def median_of_rounds(rounds):
+    """One row per case from `rounds` (each a list of rows of the same cases): the first round's
+    row (with its peers) with every measured figure replaced by its median over the rounds."""
+    merged = []
+    for same_case in zip(*rounds):
+        row = dict(same_case[0])
+        for key in MEASURED:
+            if key in row:
+                row[key] = float(np.median([r[key] for r in same_case]))
+        for peer in ("sdpa", "torch"):
+            if f"{peer}_ms" in row:  # the speedup over the median time
+                row[f"vs_{peer}"] = row[f"{peer}_ms"] / row["ms"]
+        if len(same_case) > 1:
+            row["rounds"] = {key: [r[key] for r in same_case] for key in ("frac_bw", "vs_matched") if key in row}
+        merged.append(row)
+    return merged
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="headline row only: llama3-8b heads, B=8, 512-2048, all dtypes")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="the target rows: llama3-8b heads, B=8 512-2048, B=8 skewed/matched, B=1 8k; all dtypes",
+    )
+    parser.add_argument("--rounds", type=int, help="measurements per row, median reported (default: 5 quick, 1 full)")
     parser.add_argument("--layers", type=int, default=4, help="distinct K/V buffers cycled per timing")
     parser.add_argument("--no-sdpa", action="store_true", help="skip the mx.fast SDPA peer (slow on CPU)")
     parser.add_argument("--heads", nargs="+", choices=HEADS, default=list(HEADS), help="head layouts of the full matrix")
@@ -165,7 +192,8 @@ def main():
         peers["torch"] = torch
 
     if args.quick:
-        groups = [("llama3-8b", 8, ("uniform",), d) for d in DTYPES]
+        shapes = ((8, ("uniform",)), (8, ("skewed", "matched")), (1, ("long",)))
+        groups = [("llama3-8b", B, kinds, d) for B, kinds in shapes for d in DTYPES]
     else:
         groups = [
             (h, B, kinds, d)
@@ -174,16 +202,21 @@ def main():
             for kinds in (("uniform",), ("skewed", "matched") if B > 1 else ("long",))
             for d in DTYPES
         ]
-    rows = []
-    for i, (h, B, kinds, d) in enumerate(groups, 1):
-        for row in bench_group(HEADS[h], B, kinds, d, args.layers, not args.small_pages, peers, probe):
-            row["heads"] = h
-            rows.append(row)
-            print(
-                f"[{i}/{len(groups)}] {h} B={B} {row['lengths']} {d}: {row['ms']:.3f} ms, {row['gbs']:.2f} GB/s, "
-                f"{row['frac_bw']:.0%} of {row['bw_gbs']:.1f} GB/s",
-                flush=True,
-            )
+    rounds = args.rounds or (5 if args.quick else 1)
+    info["rounds"] = rounds
+    measured = [[] for _ in groups]  # per group, one list of rows per round
+    for r in range(rounds):
+        for i, (h, B, kinds, d) in enumerate(groups):
+            group_rows = bench_group(HEADS[h], B, kinds, d, args.layers, not args.small_pages, peers if r == 0 else {}, probe)
+            measured[i].append(group_rows)
+            for row in group_rows:
+                row["heads"] = h
+                print(
+                    f"[round {r + 1}/{rounds}, {i + 1}/{len(groups)}] {h} B={B} {row['lengths']} {d}: {row['ms']:.3f} ms, "
+                    f"{row['gbs']:.2f} GB/s, {row['frac_bw']:.0%} of {row['bw_gbs']:.1f} GB/s",
+                    flush=True,
+                )
+    rows = [row for group_rounds in measured for row in median_of_rounds(group_rounds)]
     info["read_bandwidth_gbs"] = float(np.median([r["bw_gbs"] for r in rows]))
 
     print()
