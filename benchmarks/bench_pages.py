@@ -4,7 +4,7 @@ them on Linux) vs the same kind of K/V on MLX's default 4 KiB pages.
 Both copies and the read-bandwidth probe are timed in turns in one process, so the machine's
 drifting memory speed hits them alike. Per row: GB/s of valid K/V bytes and fraction of the
 probe's read bandwidth on each kind of page, their ratio, and the fraction of K/V bytes that the
-kernel of this system actually put on huge pages. Rows are the kernel benchmark's shapes
+operating system actually put on huge pages. Rows are the kernel benchmark's shapes
 (bench_kernel.py), each timed result checked against the reference.
 
     python benchmarks/bench_pages.py              # Llama-3-8B heads: B=8 512-2048 and B=1 8k
