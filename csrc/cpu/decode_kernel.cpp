@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/convert.h"
@@ -20,18 +21,34 @@ namespace {
 constexpr int kBlock = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Per-thread scratch, one per row type: scaled queries [G, D], scores
-// [G, kBlock], the softmax rescale factors of a block [G] and a block of key or value rows [kBlock, D] gathered from a
-// strided last axis.
+// Keys scored with the AVX512_BF16 dot product: bfloat16 rows in a variant
+// compiled for it. Their queries stay unscaled in bfloat16 (q_raw), exact, and
+// the scale is applied to the scores.
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+template <typename T>
+constexpr bool kBf16Dot = std::is_same_v<T, mx::bfloat16_t>;
+#else
+template <typename T>
+constexpr bool kBf16Dot = false;
+#endif
+
+// Per-thread scratch, one per row type: scaled queries [G, D] (or unscaled
+// ones in T, q_raw, for kBf16Dot), scores [G, kBlock], the softmax rescale
+// factors of a block [G] and a block of key or value rows [kBlock, D]
+// gathered from a strided last axis.
 template <typename T>
 struct Scratch {
   std::vector<float> q;
+  std::vector<T> q_raw;
   std::vector<float> scores;
   std::vector<float> alpha;
   std::vector<T> block;
 
   void reserve(int G, int D) {
     grow(q, static_cast<size_t>(G) * D);
+    if constexpr (kBf16Dot<T>) {
+      grow(q_raw, static_cast<size_t>(G) * D);
+    }
     grow(scores, static_cast<size_t>(G) * kBlock);
     grow(alpha, static_cast<size_t>(G));
     grow(block, static_cast<size_t>(kBlock) * D);
@@ -100,6 +117,26 @@ inline Lookahead successor_rows(const int64_t* stride, const Chunk& c, int t, in
   return {offset, std::min(kBlock, next->t1 - next->t0)};
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// Scores of four key rows against all G heads of q [G, D], in tiles of up to
+// four heads: scores[g * kBlock + c] for c < 4.
+template <int D>
+void score_rows_bf16(
+    const mx::bfloat16_t* q, int G, const mx::bfloat16_t* const* rows, float* scores, float scale, Lookahead ahead) {
+  int g = 0;
+  for (; g + 4 <= G; g += 4) {
+    dot_4_rows_bf16<D, 4>(q + g * D, rows, scores + g * kBlock, kBlock, scale, g == 0 ? ahead : Lookahead{});
+  }
+  if (g + 2 <= G) {
+    dot_4_rows_bf16<D, 2>(q + g * D, rows, scores + g * kBlock, kBlock, scale, g == 0 ? ahead : Lookahead{});
+    g += 2;
+  }
+  if (g < G) {
+    dot_4_rows_bf16<D, 1>(q + g * D, rows, scores + g * kBlock, kBlock, scale, g == 0 ? ahead : Lookahead{});
+  }
+}
+#endif
+
 template <typename T, int D>
 void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Chunk* next) {
   const int b = c.b, h = c.h, t0 = c.t0, t1 = c.t1;
@@ -113,7 +150,11 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
   const T* q = static_cast<const T*>(a.queries) + b * a.q_stride[0];
   for (int g = 0; g < G; ++g) {
     const T* qr = q + static_cast<int64_t>(h * G + g) * a.q_stride[1];
-    if (a.q_stride[2] == 1) {
+    if constexpr (kBf16Dot<T>) {
+      for (int i = 0; i < D; ++i) {
+        s.q_raw[g * D + i] = qr[i * a.q_stride[2]];
+      }
+    } else if (a.q_stride[2] == 1) {
       for (int i = 0; i < D; i += 8) {
         store8(qs + g * D + i, load8(qr + i) * splat(a.scale));
       }
@@ -143,11 +184,18 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     const Lookahead k_next = successor_rows(a.k_stride, c, t, n, next);
     const Lookahead v_next = successor_rows(a.v_stride, c, t, n, next);
 
-    // Each key row is read once and scored against all G query heads, two at a time.
+    // Each key row is read once and scored against all G query heads, two at a
+    // time (four with the bfloat16 dot product).
     load_block<T, D>(kh, a.k_stride, t, n, block, rows);
     for (int j = 0; j < n; j += 4) {
       const Lookahead ahead{k_next.offset, k_next.rows - j};
       int g = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+      if constexpr (kBf16Dot<T>) {
+        score_rows_bf16<D>(s.q_raw.data(), G, rows + j, scores + j, a.scale, ahead);
+        continue;
+      }
+#endif
       for (; g + 2 <= G; g += 2) {
         dot_4_rows<D, 2>(qs + g * D, rows + j, scores + g * kBlock + j, kBlock, g == 0 ? ahead : Lookahead{});
       }

@@ -9,19 +9,55 @@ namespace mlx_batched_decode::cpu {
 
 namespace {
 
-bool cpu_has_avx2() {
-#if defined(MBD_HAS_AVX2) && (defined(__x86_64__) || defined(_M_X64))
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
+// Variants from worst to best; a variant is available when it was compiled
+// in (MBD_HAS_<ISA>) and the CPU (and OS, for AVX-512 state) supports it.
+enum class Isa { baseline, avx2, avx512bf16 };
+constexpr Isa kIsas[] = {Isa::baseline, Isa::avx2, Isa::avx512bf16};
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx2:
+      return "avx2";
+    case Isa::avx512bf16:
+      return "avx512bf16";
+    default:
+      return "baseline";
+  }
 }
 
-enum class Isa { baseline, avx2 };
+bool supported(Isa isa) {
+#if defined(__x86_64__) || defined(_M_X64)
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c");
+#endif
+  switch (isa) {
+    case Isa::baseline:
+      return true;
+    case Isa::avx2:
+#if defined(MBD_HAS_AVX2) && (defined(__x86_64__) || defined(_M_X64))
+      return avx2;
+#else
+      return false;
+#endif
+    case Isa::avx512bf16:
+#if defined(MBD_HAS_AVX512BF16) && (defined(__x86_64__) || defined(_M_X64))
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
+#else
+      return false;
+#endif
+  }
+  return false;
+}
 
 Isa best_isa() {
-  return cpu_has_avx2() ? Isa::avx2 : Isa::baseline;
+  Isa best = Isa::baseline;
+  for (Isa isa : kIsas) {
+    if (supported(isa)) {
+      best = isa;
+    }
+  }
+  return best;
 }
 
 std::atomic<Isa>& selected() {
@@ -29,16 +65,14 @@ std::atomic<Isa>& selected() {
   return isa;
 }
 
-const char* isa_name(Isa isa) {
-  return isa == Isa::avx2 ? "avx2" : "baseline";
-}
-
 } // namespace
 
 std::vector<std::string> available_isas() {
-  std::vector<std::string> names{"baseline"};
-  if (cpu_has_avx2()) {
-    names.push_back("avx2");
+  std::vector<std::string> names;
+  for (Isa isa : kIsas) {
+    if (supported(isa)) {
+      names.push_back(isa_name(isa));
+    }
   }
   return names;
 }
@@ -48,24 +82,31 @@ std::string current_isa() {
 }
 
 void set_isa(const std::string& name) {
-  if (name == "baseline") {
-    selected() = Isa::baseline;
-  } else if (name == "avx2" && cpu_has_avx2()) {
-    selected() = Isa::avx2;
-  } else {
-    throw std::invalid_argument(
-        "[batched_decode_attention] CPU kernel variant '" + name +
-        "' is not available on this machine");
+  for (Isa isa : kIsas) {
+    if (name == isa_name(isa) && supported(isa)) {
+      selected() = isa;
+      return;
+    }
   }
+  throw std::invalid_argument(
+      "[batched_decode_attention] CPU kernel variant '" + name + "' is not available on this machine");
 }
 
 KernelFns kernel_fns(Dtype dtype, int head_dim) {
-#if defined(MBD_HAS_AVX2)
-  if (selected().load() == Isa::avx2) {
-    return avx2::kernel_fns(dtype, head_dim);
-  }
+  switch (selected().load()) {
+#if defined(MBD_HAS_AVX512BF16)
+    case Isa::avx512bf16:
+      // Only bfloat16 has code of its own there; the AVX-512 build of the
+      // other kernels measured up to 10% slower than their AVX2 build.
+      return dtype == Dtype::bfloat16 ? avx512bf16::kernel_fns(dtype, head_dim) : avx2::kernel_fns(dtype, head_dim);
 #endif
-  return baseline::kernel_fns(dtype, head_dim);
+#if defined(MBD_HAS_AVX2)
+    case Isa::avx2:
+      return avx2::kernel_fns(dtype, head_dim);
+#endif
+    default:
+      return baseline::kernel_fns(dtype, head_dim);
+  }
 }
 
 } // namespace mlx_batched_decode::cpu

@@ -12,5 +12,8 @@ KernelFns kernel_fns(Dtype dtype, int head_dim);
 namespace avx2 {
 KernelFns kernel_fns(Dtype dtype, int head_dim);
 }
+namespace avx512bf16 {
+KernelFns kernel_fns(Dtype dtype, int head_dim);
+}
 
 } // namespace mlx_batched_decode::cpu
