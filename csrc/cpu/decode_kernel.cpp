@@ -117,25 +117,27 @@ inline Lookahead successor_rows(const int64_t* stride, const Chunk& c, int t, in
   return {offset, std::min(kBlock, next->t1 - next->t0)};
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// Scores of four key rows against all G heads of q [G, D], in tiles of up to
-// four heads: scores[g * kBlock + c] for c < 4.
-template <int D>
-void score_rows_bf16(
-    const mx::bfloat16_t* q, int G, const mx::bfloat16_t* const* rows, float* scores, float scale, Lookahead ahead) {
+// Covers heads [0, G) with tiles of up to MaxH (4 or 2) heads: calls
+// tile.template operator()<H>(g) for as many tiles of MaxH as fit, then one
+// of 2 and one of 1 as the rest needs. Only the first tile (g == 0) requests
+// the next rows, since all tiles read the same rows.
+template <int MaxH, typename Tile>
+inline void for_head_tiles(int G, Tile&& tile) {
+  static_assert(MaxH == 2 || MaxH == 4);
   int g = 0;
-  for (; g + 4 <= G; g += 4) {
-    dot_4_rows_bf16<D, 4>(q + g * D, rows, scores + g * kBlock, kBlock, scale, g == 0 ? ahead : Lookahead{});
+  for (; g + MaxH <= G; g += MaxH) {
+    tile.template operator()<MaxH>(g);
   }
-  if (g + 2 <= G) {
-    dot_4_rows_bf16<D, 2>(q + g * D, rows, scores + g * kBlock, kBlock, scale, g == 0 ? ahead : Lookahead{});
-    g += 2;
+  if constexpr (MaxH == 4) {
+    if (g + 2 <= G) {
+      tile.template operator()<2>(g);
+      g += 2;
+    }
   }
   if (g < G) {
-    dot_4_rows_bf16<D, 1>(q + g * D, rows, scores + g * kBlock, kBlock, scale, g == 0 ? ahead : Lookahead{});
+    tile.template operator()<1>(g);
   }
 }
-#endif
 
 template <typename T, int D>
 void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Chunk* next) {
@@ -189,19 +191,18 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     load_block<T, D>(kh, a.k_stride, t, n, block, rows);
     for (int j = 0; j < n; j += 4) {
       const Lookahead ahead{k_next.offset, k_next.rows - j};
-      int g = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
       if constexpr (kBf16Dot<T>) {
-        score_rows_bf16<D>(s.q_raw.data(), G, rows + j, scores + j, a.scale, ahead);
+        for_head_tiles<4>(G, [&]<int H>(int g) {
+          dot_4_rows_bf16<D, H>(s.q_raw.data() + g * D, rows + j, scores + g * kBlock + j, kBlock, a.scale,
+                                g == 0 ? ahead : Lookahead{});
+        });
         continue;
       }
 #endif
-      for (; g + 2 <= G; g += 2) {
-        dot_4_rows<D, 2>(qs + g * D, rows + j, scores + g * kBlock + j, kBlock, g == 0 ? ahead : Lookahead{});
-      }
-      if (g < G) {
-        dot_4_rows<D, 1>(qs + g * D, rows + j, scores + g * kBlock + j, kBlock, g == 0 ? ahead : Lookahead{});
-      }
+      for_head_tiles<2>(G, [&]<int H>(int g) {
+        dot_4_rows<D, H>(qs + g * D, rows + j, scores + g * kBlock + j, kBlock, g == 0 ? ahead : Lookahead{});
+      });
     }
 
     for (int g = 0; g < G; ++g) {
@@ -210,17 +211,9 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
 
     // Value rows in tiles of up to four heads, each row chunk loaded once per tile.
     load_block<T, D>(vh, a.v_stride, t, n, block, rows);
-    int g = 0;
-    for (; g + 4 <= G; g += 4) {
-      accumulate_rows<D, 4>(st.acc + g * D, alpha + g, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
-    }
-    if (g + 2 <= G) {
-      accumulate_rows<D, 2>(st.acc + g * D, alpha + g, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
-      g += 2;
-    }
-    if (g < G) {
-      accumulate_rows<D, 1>(st.acc + g * D, alpha + g, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
-    }
+    for_head_tiles<4>(G, [&]<int H>(int g) {
+      accumulate_rows<D, H>(st.acc + g * D, alpha + g, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
+    });
   }
 }
 
