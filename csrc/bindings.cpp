@@ -8,6 +8,7 @@
 #include "batched_decode_attention.h"
 #include "cpu/isa.h"
 #include "cpu/parallel_decode.h"
+#include "cpu/worker_pool.h"
 #include "huge_pages.h"
 
 namespace nb = nanobind;
@@ -105,4 +106,7 @@ Raises:
         "if it is not available.");
   m.def("cpu_threads", &mbd::cpu::max_threads,
         "Threads that serve one CPU kernel call (pool plus caller).");
+  m.def("cpu_spin_us", [] { return mbd::cpu::spin_time().count(); },
+        "Microseconds an idle CPU kernel thread polls for work before it sleeps: "
+        "MBD_CPU_SPIN_US, default 5000. ValueError if that variable is malformed.");
 }

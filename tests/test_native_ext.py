@@ -1,6 +1,9 @@
-"""The native module called directly: kernel variants, run counter, stubs."""
+"""The native module called directly: kernel variants, run counter, worker polling, stubs."""
 
+import os
 import pathlib
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -67,9 +70,51 @@ def test_variants_list_and_selection():
 
 
 def test_thread_count_is_bounded_by_cpus():
-    import os
-
     assert 1 <= _ext.cpu_threads() <= (os.cpu_count() or 1)
+
+
+def run_with_spin(value, code):
+    env = dict(os.environ, MBD_CPU_SPIN_US=value)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_spin_time_default():
+    assert _ext.cpu_spin_us() == int(os.environ.get("MBD_CPU_SPIN_US", 5000))
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1e3", "5 ", "10000001", "99999999999999999999999"])
+def test_malformed_spin_time_fails_the_import(value):
+    result = run_with_spin(value, "import mlx_batched_decode")
+    assert result.returncode != 0
+    assert "ValueError: MBD_CPU_SPIN_US must be an integer number of microseconds" in result.stderr
+    assert f"got '{value}'" in result.stderr
+
+
+# One call large enough for the pool, then the process's CPU time while the
+# caller sleeps: a polling worker uses it, a sleeping one does not.
+POLLING = """
+import time
+import mlx.core as mx
+import mlx_batched_decode as mbd
+q = mx.random.normal((2, 8, 1, 128))
+k, v = mx.random.normal((2, 2, 2, 4096, 128))
+lens = mx.array([4096, 3000])
+out = mbd.batched_decode_attention(q, k, v, lens)
+err = mx.abs(out - mbd.reference_attention(q, k, v, lens)).max().item()
+start = time.process_time()
+time.sleep(0.3)
+print(err, time.process_time() - start)
+"""
+
+
+@pytest.mark.skipif(_ext.cpu_threads() < 2, reason="the pool has no workers on one CPU")
+def test_idle_workers_poll_for_the_spin_time_then_sleep():
+    busy, idle = (run_with_spin(value, POLLING) for value in ("2000000", "0"))
+    assert busy.returncode == 0 and idle.returncode == 0, busy.stderr + idle.stderr
+    (busy_err, busy_cpu), (idle_err, idle_cpu) = (map(float, r.stdout.split()) for r in (busy, idle))
+    assert busy_err < 1e-4 and idle_err < 1e-4
+    assert busy_cpu > 0.1, "the worker slept instead of polling"
+    assert idle_cpu < 0.05, "the worker polled with MBD_CPU_SPIN_US=0"
 
 
 def test_reference_is_not_the_kernel():

@@ -11,7 +11,7 @@
 #endif
 
 #include "cpu/isa.h"
-#include "mlx/threadpool.h"
+#include "cpu/worker_pool.h"
 
 namespace mlx_batched_decode::cpu {
 
@@ -37,9 +37,10 @@ int cpu_count() {
 }
 
 // One pool for all calls and streams, so concurrent callers share a bounded
-// number of threads; never destroyed, so exit does not wait on it.
-ThreadPool& pool() {
-  static ThreadPool* p = new ThreadPool(max_threads() - 1);
+// number of threads; never destroyed (its workers are detached), so exit does
+// not wait on it.
+WorkerPool& pool() {
+  static WorkerPool* p = new WorkerPool(max_threads() - 1, spin_time());
   return *p;
 }
 
@@ -147,10 +148,13 @@ void run_decode(const DecodeArgs& args) {
   const int helpers = elements < kMinParallelElements
       ? 0
       : std::min(max_threads() - 1, n_items - 1);
-  for (int i = 0; i < helpers; ++i) {
-    pool().enqueue([call] { call->work(); });
+  if (helpers > 0) {
+    pool().enqueue([call] { call->work(); }, helpers);
   }
   call->work();
+  // The helpers' last items end within one item's time of ours: poll for
+  // them before sleeping, as the workers poll for calls (see worker_pool.h).
+  poll_for(spin_time(), [&] { return call->done.load(std::memory_order_acquire) == n_items; });
   for (int d; (d = call->done.load(std::memory_order_acquire)) < n_items;) {
     call->done.wait(d, std::memory_order_acquire);
   }

@@ -7,7 +7,11 @@ on Apple GPUs), reading strided cache views in place.
 
 import mlx.core  # noqa: F401  registers MLX's types before the extension loads
 
+from . import _ext
 from ._ext import advise_huge_pages, batched_decode_attention, reference_attention
+
+# A malformed MBD_CPU_SPIN_US is refused here, not inside the first kernel call.
+_ext.cpu_spin_us()
 
 __all__ = ["advise_huge_pages", "batched_decode_attention", "reference_attention"]
 
