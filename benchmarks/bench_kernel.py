@@ -7,7 +7,9 @@ machine's read bandwidth, speedup over each peer, and the max error of the
 timed output against the reference. Each simulated layer has its own K/V
 buffers, so caches do not flatter the figures. Each skewed batch (one request
 of 2048, the rest 64) is paired with a uniform one of the same total bytes
-("matched"); "/ matched" is the ratio of their times.
+("matched"), padded to the same length so that their buffers are alike (a
+small buffer has fewer whole huge pages); "/ matched" is the ratio of their
+times.
 
 K/V live on transparent huge pages, as SlotKVCache keeps them on Linux
 (mlx_batched_decode.advise_huge_pages); --small-pages leaves them on MLX's
@@ -66,14 +68,15 @@ def torch_sdpa():
 
 
 class Case:
-    """Padded inputs of one row: q [B, H_q, 1, D], `layers` pairs of K/V [B, H_kv, T, D]."""
+    """Padded inputs of one row: q [B, H_q, 1, D], `layers` pairs of K/V [B, H_kv, T, D],
+    T the longest length unless given."""
 
-    def __init__(self, heads, B, kind, dtype_name, layers, huge_pages):
+    def __init__(self, heads, B, kind, dtype_name, layers, huge_pages, T=None):
         H_q, H_kv, D = heads
         self.dtype_name = dtype_name
         dtype = DTYPES[dtype_name]
         self.lens_np = lengths(kind, B)
-        T = int(self.lens_np.max())
+        T = T or int(self.lens_np.max())
         self.lens = mx.array(self.lens_np, dtype=mx.int32)
         self.q = mx.random.normal((B, H_q, 1, D)).astype(dtype)
         self.kv = [
@@ -135,7 +138,8 @@ def finish_row(case, seconds, bandwidth, peers):
 
 def bench_group(heads, B, kinds, dtype_name, layers, huge_pages, peers, probe):
     """Rows for `kinds` of one shape, timed in turns with each other and the probe."""
-    cases = [Case(heads, B, kind, dtype_name, layers, huge_pages) for kind in kinds]
+    T = max(int(lengths(kind, B).max()) for kind in kinds)
+    cases = [Case(heads, B, kind, dtype_name, layers, huge_pages, T) for kind in kinds]
     *seconds, probe_s = interleaved_medians([c.run_ours for c in cases] + [probe.probe])
     bandwidth = probe.gbs(probe_s)
     rows = [finish_row(c, t, bandwidth, peers) for c, t in zip(cases, seconds)]
