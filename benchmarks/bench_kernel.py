@@ -21,7 +21,7 @@ the kernel's GB/s over the probe's, both measured in the same seconds. With
 --rounds N every row is measured N times, on fresh buffers, the rounds spread
 over the run; each figure is the median of its N values (peers: first round).
 
-    python benchmarks/bench_kernel.py            # full matrix (about 35 minutes)
+    python benchmarks/bench_kernel.py            # full matrix (about 45 minutes)
     python benchmarks/bench_kernel.py --quick    # the target rows, 5 rounds (about 5 minutes)
 """
 

@@ -1,6 +1,6 @@
 // Streaming a KV cache from 4 KiB pages costs a TLB miss and a hardware
 // prefetcher restart every few rows; from 2 MiB pages the kernel reads a
-// cache 1.1-1.2x faster (benchmarks/bench_pages.py; README, "Pages").
+// cache 1.07-1.37x faster (benchmarks/bench_pages.py; README, "Pages").
 // MLX's CPU allocator takes plain malloc memory, so the pages are asked for
 // after the fact: MADV_HUGEPAGE keeps later faults and khugepaged on huge
 // pages, and MADV_COLLAPSE (Linux 6.1+) moves the present pages at once.
