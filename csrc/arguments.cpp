@@ -36,6 +36,16 @@ bool is_supported_dtype(mx::Dtype t) {
   return t == mx::float16 || t == mx::bfloat16 || t == mx::float32;
 }
 
+// Per-request positions (valid_lens, kv_starts): integer [B].
+void check_positions(const mx::array& a, const std::string& name, int B) {
+  if (a.ndim() != 1 || a.shape(0) != B) {
+    fail(name + " must have shape [B] = (" + std::to_string(B) + ",), got " + shape_str(a) + ".");
+  }
+  if (!mx::issubdtype(a.dtype(), mx::integer)) {
+    fail(name + " must have an integer dtype, got " + dtype_str(a.dtype()) + ".");
+  }
+}
+
 } // namespace
 
 DecodeShape check_arguments(
@@ -43,9 +53,12 @@ DecodeShape check_arguments(
     const mx::array& keys,
     const mx::array& values,
     const mx::array& valid_lens,
-    std::optional<float> scale) {
-  if (queries.ndim() != 4 || queries.shape(2) != 1) {
-    fail("queries must have shape [B, H_q, 1, D], got " + shape_str(queries) + ".");
+    std::optional<float> scale,
+    const std::optional<mx::array>& kv_starts,
+    std::optional<int> window,
+    const std::optional<mx::array>& sinks) {
+  if (queries.ndim() != 4) {
+    fail("queries must have shape [B, H_q, L, D], got " + shape_str(queries) + ".");
   }
   if (keys.ndim() != 4) {
     fail("keys must have shape [B, H_kv, T, D], got " + shape_str(keys) + ".");
@@ -54,8 +67,11 @@ DecodeShape check_arguments(
     fail("values must have the shape of keys " + shape_str(keys) + ", got " +
          shape_str(values) + ".");
   }
-  DecodeShape d{
-      queries.shape(0), queries.shape(1), keys.shape(1), 0, keys.shape(2), queries.shape(3)};
+  DecodeShape d{queries.shape(0), queries.shape(1), keys.shape(1), 0,
+                queries.shape(2), keys.shape(2),    queries.shape(3)};
+  if (d.L < 1) {
+    fail("queries must have at least one row per request (L >= 1), got " + shape_str(queries) + ".");
+  }
   if (keys.shape(0) != d.B) {
     fail("keys have batch size " + std::to_string(keys.shape(0)) + " but queries have " +
          std::to_string(d.B) + ".");
@@ -70,13 +86,9 @@ DecodeShape check_arguments(
          std::to_string(d.H_kv) + ").");
   }
   d.G = d.H_q / d.H_kv;
-  bool head_dim_ok = false;
-  for (int hd : kHeadDims) {
-    head_dim_ok |= hd == d.D;
-  }
-  if (!head_dim_ok) {
-    fail("head dim " + std::to_string(d.D) +
-         " is not supported; supported head dims are 64, 80, 96, 128, 256.");
+  if (d.D < 1 || d.D > kMaxHeadDim) {
+    fail("head dim " + std::to_string(d.D) + " is not supported; head dims 1 to " +
+         std::to_string(kMaxHeadDim) + " are.");
   }
   if (!is_supported_dtype(queries.dtype())) {
     fail("queries must be float16, bfloat16 or float32, got " + dtype_str(queries.dtype()) + ".");
@@ -85,12 +97,21 @@ DecodeShape check_arguments(
     fail("queries, keys and values must share one dtype, got " + dtype_str(queries.dtype()) +
          ", " + dtype_str(keys.dtype()) + " and " + dtype_str(values.dtype()) + ".");
   }
-  if (valid_lens.ndim() != 1 || valid_lens.shape(0) != d.B) {
-    fail("valid_lens must have shape [B] = (" + std::to_string(d.B) + ",), got " +
-         shape_str(valid_lens) + ".");
+  check_positions(valid_lens, "valid_lens", d.B);
+  if (kv_starts) {
+    check_positions(*kv_starts, "kv_starts", d.B);
   }
-  if (!mx::issubdtype(valid_lens.dtype(), mx::integer)) {
-    fail("valid_lens must have an integer dtype, got " + dtype_str(valid_lens.dtype()) + ".");
+  if (window && *window < 1) {
+    fail("window must be >= 1, got " + std::to_string(*window) + ".");
+  }
+  if (sinks) {
+    if (sinks->ndim() != 1 || sinks->shape(0) != d.H_q) {
+      fail("sinks must have shape [H_q] = (" + std::to_string(d.H_q) + ",), got " +
+           shape_str(*sinks) + ".");
+    }
+    if (!mx::issubdtype(sinks->dtype(), mx::floating)) {
+      fail("sinks must have a floating dtype, got " + dtype_str(sinks->dtype()) + ".");
+    }
   }
   if (scale && !std::isfinite(*scale)) {
     fail("scale must be finite, got " + std::to_string(*scale) + ".");
@@ -98,18 +119,18 @@ DecodeShape check_arguments(
   return d;
 }
 
-mx::array lengths_as_int32(const mx::array& valid_lens, int T, mx::StreamOrDevice s) {
-  const mx::Dtype t = valid_lens.dtype();
+mx::array positions_as_int32(const mx::array& positions, int T, mx::StreamOrDevice s) {
+  const mx::Dtype t = positions.dtype();
   if (t == mx::int32) {
-    return valid_lens;
+    return positions;
   }
   // int8/16 and uint8/16 convert exactly; wider ones may not, so clamp first,
   // with bounds of their own dtype (T <= INT32_MAX fits in all of them).
   if (t.size() >= 4) {
     return mx::astype(
-        mx::clip(valid_lens, mx::array(0, t), mx::array(T, t), s), mx::int32, s);
+        mx::clip(positions, mx::array(0, t), mx::array(T, t), s), mx::int32, s);
   }
-  return mx::astype(valid_lens, mx::int32, s);
+  return mx::astype(positions, mx::int32, s);
 }
 
 float resolve_scale(std::optional<float> scale, int head_dim) {

@@ -10,23 +10,30 @@ namespace mlx_batched_decode {
 
 namespace mx = mlx::core;
 
+// Dimension legend: B requests, H_q query heads, H_kv key/value heads,
+// G = H_q / H_kv, L query rows per request, T padded length, D head dim.
 struct DecodeShape {
-  int B, H_q, H_kv, G, T, D;
+  int B, H_q, H_kv, G, L, T, D;
 };
 
-// Checks ranks, shapes, head counts, head dim and dtypes of a call and returns
-// its dimensions; throws std::invalid_argument whose message starts with
-// "[batched_decode_attention]" and names the offending argument.
+// Checks ranks, shapes, head counts, head dim, dtypes and the optional
+// arguments of a call and returns its dimensions; throws std::invalid_argument
+// whose message starts with "[batched_decode_attention]" and names the
+// offending argument.
 DecodeShape check_arguments(
     const mx::array& queries,
     const mx::array& keys,
     const mx::array& values,
     const mx::array& valid_lens,
-    std::optional<float> scale);
+    std::optional<float> scale,
+    const std::optional<mx::array>& kv_starts,
+    std::optional<int> window,
+    const std::optional<mx::array>& sinks);
 
-// valid_lens as int32 [B]: values of wider dtypes are clamped to [0, T] first,
-// so that 2^32 + 2 means "all of T" rather than wrapping to 2.
-mx::array lengths_as_int32(const mx::array& valid_lens, int T, mx::StreamOrDevice s);
+// Per-request positions (valid_lens, kv_starts) as int32 [B]: values of wider
+// dtypes are clamped to [0, T] first, so that 2^32 + 2 means "all of T"
+// rather than wrapping to 2.
+mx::array positions_as_int32(const mx::array& positions, int T, mx::StreamOrDevice s);
 
 // The scale to use: the given one or 1/sqrt(D).
 float resolve_scale(std::optional<float> scale, int head_dim);

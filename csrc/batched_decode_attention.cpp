@@ -16,8 +16,11 @@ mx::array batched_decode_attention(
     const mx::array& values,
     const mx::array& valid_lens,
     std::optional<float> scale,
+    const std::optional<mx::array>& kv_starts,
+    std::optional<int> window,
+    const std::optional<mx::array>& sinks,
     mx::StreamOrDevice s) {
-  const DecodeShape d = check_arguments(queries, keys, values, valid_lens, scale);
+  const DecodeShape d = check_arguments(queries, keys, values, valid_lens, scale, kv_starts, window, sinks);
   auto stream = mx::to_stream(s);
 #if !defined(MLX_BATCHED_DECODE_METAL)
   if (stream.device == mx::Device::gpu) {
@@ -25,18 +28,36 @@ mx::array batched_decode_attention(
         "[batched_decode_attention] this build has no Metal kernel; run it on a CPU stream.");
   }
 #endif
-  // The kernel reads int32 lengths and clamps them to [0, T] itself.
-  auto lens = lengths_as_int32(valid_lens, d.T, stream);
+  // The kernels read int32 positions and float32 sinks, and clamp positions to [0, T] themselves.
+  std::vector<mx::array> inputs = {queries, keys, values, positions_as_int32(valid_lens, d.T, stream)};
+  if (kv_starts) {
+    inputs.push_back(positions_as_int32(*kv_starts, d.T, stream));
+  }
+  if (sinks) {
+    inputs.push_back(mx::astype(*sinks, mx::float32, stream));
+  }
   return mx::array(
-      {d.B, d.H_q, 1, d.D},
+      queries.shape(),
       queries.dtype(),
-      std::make_shared<BatchedDecodeAttention>(stream, resolve_scale(scale, d.D)),
-      {queries, keys, values, lens});
+      std::make_shared<BatchedDecodeAttention>(
+          stream, resolve_scale(scale, d.D), window.value_or(0), kv_starts.has_value(), sinks.has_value()),
+      std::move(inputs));
 }
 
 std::vector<mx::array> BatchedDecodeAttention::fallback(
     const std::vector<mx::array>& inputs) {
-  return {reference_attention(inputs[0], inputs[1], inputs[2], inputs[3], scale_, stream())};
+  int next = 4;
+  std::optional<mx::array> kv_starts;
+  std::optional<mx::array> sinks;
+  if (has_kv_starts_) {
+    kv_starts = inputs[next++];
+  }
+  if (has_sinks_) {
+    sinks = inputs[next++];
+  }
+  return {reference_attention(
+      inputs[0], inputs[1], inputs[2], inputs[3], scale_, kv_starts,
+      window_ > 0 ? std::optional<int>(window_) : std::nullopt, sinks, stream())};
 }
 
 std::vector<mx::array> BatchedDecodeAttention::vjp(
@@ -75,7 +96,7 @@ std::pair<std::vector<mx::array>, std::vector<int>> BatchedDecodeAttention::vmap
 
 bool BatchedDecodeAttention::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const BatchedDecodeAttention&>(other);
-  return scale_ == o.scale_;
+  return state() == o.state();
 }
 
 std::vector<mx::Shape> BatchedDecodeAttention::output_shapes(

@@ -1,8 +1,8 @@
 // Padded, masked, batched decode attention as an MLX primitive.
 //
 // Dimension legend: B requests, H_q query heads, H_kv key/value heads
-// (G = H_q / H_kv query heads share one KV head), T padded cache length,
-// D head dim.
+// (G = H_q / H_kv query heads share one KV head), L query rows per request,
+// T padded cache length, D head dim.
 #pragma once
 
 #include <optional>
@@ -15,24 +15,32 @@ namespace mlx_batched_decode {
 
 namespace mx = mlx::core;
 
-// Head dims with a compiled kernel (CPU and Metal).
-inline constexpr int kHeadDims[] = {64, 80, 96, 128, 256};
+// Head dims the kernels take: any D in [1, kMaxHeadDim].
+inline constexpr int kMaxHeadDim = 512;
 
-// Attention of one new token per request over that request's valid keys.
-//   queries    [B, H_q, 1, D]    float16 | bfloat16 | float32
+// Attention of the last L tokens of each request over that request's keys.
+//   queries    [B, H_q, L, D]    float16 | bfloat16 | float32
 //   keys       [B, H_kv, T, D]   same dtype; any strides, read in place
 //   values     [B, H_kv, T, D]   same dtype and shape as keys
-//   valid_lens [B]               integer; positions 0 .. valid_lens[b]-1 attend,
-//                                the rest is ignored; clamped to [0, T]
+//   valid_lens [B]               integer; len_b = clamp(valid_lens[b], 0, T)
+//   kv_starts  [B]               optional integer; start_b = clamp(kv_starts[b], 0, T)
+//   window     optional, >= 1: a row attends at most its last `window` keys
+//   sinks      [H_q]             optional float: a per-head logit in every
+//                                row's softmax denominator, not in the numerator
 //   scale      defaults to 1/sqrt(D)
-// Returns [B, H_q, 1, D] in the queries' dtype; an empty request gives zeros.
-// Malformed arguments throw std::invalid_argument (ValueError in Python).
+// Row i of request b sits at position p = len_b - L + i and attends keys
+// max(start_b, p - window + 1, 0) .. p. Returns [B, H_q, L, D] in the queries'
+// dtype; a row with no key gives zeros. Malformed arguments throw
+// std::invalid_argument (ValueError in Python).
 mx::array batched_decode_attention(
     const mx::array& queries,
     const mx::array& keys,
     const mx::array& values,
     const mx::array& valid_lens,
     std::optional<float> scale = std::nullopt,
+    const std::optional<mx::array>& kv_starts = std::nullopt,
+    std::optional<int> window = std::nullopt,
+    const std::optional<mx::array>& sinks = std::nullopt,
     mx::StreamOrDevice s = {});
 
 // The same contract in plain MLX ops: the ground truth for tests and the
@@ -43,12 +51,21 @@ mx::array reference_attention(
     const mx::array& values,
     const mx::array& valid_lens,
     std::optional<float> scale = std::nullopt,
+    const std::optional<mx::array>& kv_starts = std::nullopt,
+    std::optional<int> window = std::nullopt,
+    const std::optional<mx::array>& sinks = std::nullopt,
     mx::StreamOrDevice s = {});
 
+// Inputs: queries, keys, values, valid_lens (int32 [B]), then kv_starts
+// (int32 [B]) if has_kv_starts(), then sinks (float32 [H_q]) if has_sinks().
 class BatchedDecodeAttention : public mx::UnaryPrimitive {
  public:
-  BatchedDecodeAttention(mx::Stream stream, float scale)
-      : mx::UnaryPrimitive(stream), scale_(scale) {}
+  BatchedDecodeAttention(mx::Stream stream, float scale, int window, bool has_kv_starts, bool has_sinks)
+      : mx::UnaryPrimitive(stream),
+        scale_(scale),
+        window_(window),
+        has_kv_starts_(has_kv_starts),
+        has_sinks_(has_sinks) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -71,15 +88,38 @@ class BatchedDecodeAttention : public mx::UnaryPrimitive {
   }
   bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  float state() const {
+  std::tuple<float, int, bool, bool> state() const {
+    return {scale_, window_, has_kv_starts_, has_sinks_};
+  }
+
+  float scale() const {
     return scale_;
+  }
+  // The window in keys, 0 when the layer has none.
+  int window() const {
+    return window_;
+  }
+  bool has_kv_starts() const {
+    return has_kv_starts_;
+  }
+  bool has_sinks() const {
+    return has_sinks_;
   }
 
  private:
-  // The fallback of the transformations: reference_attention with this scale.
+  // The fallback of the transformations: reference_attention with these options.
   std::vector<mx::array> fallback(const std::vector<mx::array>& inputs);
 
   float scale_;
+  int window_;
+  bool has_kv_starts_;
+  bool has_sinks_;
 };
+
+// The window a kernel applies for T positions: `window` when it is set and
+// shorter than T, else T (every window of T or more keys is no window).
+inline int effective_window(int window, int T) {
+  return window > 0 && window < T ? window : (T > 0 ? T : 1);
+}
 
 } // namespace mlx_batched_decode

@@ -29,31 +29,46 @@ NB_MODULE(_ext, m) {
       "valid_lens"_a,
       nb::kw_only(),
       "scale"_a = nb::none(),
+      "kv_starts"_a = nb::none(),
+      "window"_a = nb::none(),
+      "sinks"_a = nb::none(),
       "stream"_a = nb::none(),
       nb::sig(
           "def batched_decode_attention(queries: mlx.core.array, keys: mlx.core.array, "
           "values: mlx.core.array, valid_lens: mlx.core.array, *, scale: float | None = None, "
+          "kv_starts: mlx.core.array | None = None, window: int | None = None, "
+          "sinks: mlx.core.array | None = None, "
           "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
-      R"(Batched decode attention over per-request key/value lengths.
+      R"(Batched decode attention over per-request key/value ranges.
 
 Dimension legend: B requests, H_q query heads, H_kv key/value heads
-(G = H_q / H_kv query heads share one KV head), T padded length, D head dim
-(64, 80, 96, 128 or 256).
+(G = H_q / H_kv query heads share one KV head), L query rows per request,
+T padded length, D head dim (1 to 512).
+
+The L query rows of request b are its last L tokens: with
+len_b = clamp(valid_lens[b], 0, T), row i sits at position p = len_b - L + i
+and attends keys max(start_b, p - window + 1, 0) .. p. Keys outside a row's
+range are never read, so NaN there is harmless.
 
 Args:
-    queries (array): [B, H_q, 1, D], float16, bfloat16 or float32.
+    queries (array): [B, H_q, L, D], float16, bfloat16 or float32.
     keys (array): [B, H_kv, T, D], same dtype. May be a strided view of a
         larger cache (e.g. ``cache[:, :, :T]``); it is read in place.
     values (array): [B, H_kv, T, D], same dtype and shape as keys.
-    valid_lens (array): [B], integer. Request b attends to positions
-        0 .. valid_lens[b]-1; the rest is never read (NaN there is harmless).
-        Lengths are clamped to [0, T].
+    valid_lens (array): [B], integer: the keys each request has.
     scale (float, optional): score scale, default 1/sqrt(D).
+    kv_starts (array, optional): [B], integer: the first valid key of each
+        request (a left-padded cache's padding); start_b = clamp(kv_starts[b], 0, T).
+    window (int, optional): >= 1; each row attends at most its last
+        ``window`` keys, itself included (a sliding-window layer).
+    sinks (array, optional): [H_q], floating: a per-head logit that joins
+        each row's softmax denominator and adds nothing to the output, as
+        ``mx.fast.scaled_dot_product_attention``'s ``sinks``.
     stream (Stream or Device, optional): where to run, keyword only.
 
 Returns:
-    array: [B, H_q, 1, D] in the queries' dtype, accumulated in float32. A
-    request with length 0 gets zeros.
+    array: [B, H_q, L, D] in the queries' dtype, accumulated in float32. A
+    row with no key to attend gets zeros.
 
 Raises:
     ValueError: malformed arguments, before any work is queued.)");
@@ -67,14 +82,19 @@ Raises:
       "valid_lens"_a,
       nb::kw_only(),
       "scale"_a = nb::none(),
+      "kv_starts"_a = nb::none(),
+      "window"_a = nb::none(),
+      "sinks"_a = nb::none(),
       "stream"_a = nb::none(),
       nb::sig(
           "def reference_attention(queries: mlx.core.array, keys: mlx.core.array, "
           "values: mlx.core.array, valid_lens: mlx.core.array, *, scale: float | None = None, "
+          "kv_starts: mlx.core.array | None = None, window: int | None = None, "
+          "sinks: mlx.core.array | None = None, "
           "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
       R"(``batched_decode_attention`` in plain MLX ops (float32 softmax with a
-length mask). Same arguments, shapes and errors; slower, differentiable, and
-the fallback the primitive uses for vjp, jvp and vmap.)");
+mask of each row's key range). Same arguments, shapes and errors; slower,
+differentiable, and the fallback the primitive uses for vjp, jvp and vmap.)");
 
   m.def(
       "advise_huge_pages",

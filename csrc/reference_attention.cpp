@@ -8,44 +8,73 @@
 
 namespace mlx_batched_decode {
 
+namespace {
+
+// Per-request positions as int32 [B] clamped to [0, T].
+mx::array clamped_positions(const mx::array& positions, int T, mx::StreamOrDevice s) {
+  return mx::clip(positions_as_int32(positions, T, s), mx::array(0), mx::array(T), s);
+}
+
+} // namespace
+
 mx::array reference_attention(
     const mx::array& queries,
     const mx::array& keys,
     const mx::array& values,
     const mx::array& valid_lens,
     std::optional<float> scale,
+    const std::optional<mx::array>& kv_starts,
+    std::optional<int> window,
+    const std::optional<mx::array>& sinks,
     mx::StreamOrDevice s) {
-  const DecodeShape d = check_arguments(queries, keys, values, valid_lens, scale);
+  const DecodeShape d = check_arguments(queries, keys, values, valid_lens, scale, kv_starts, window, sinks);
   const float sc = resolve_scale(scale, d.D);
 
-  // [B, H_kv, G, D]: the G query heads of a KV head attend to the same keys.
+  // [B, H_kv, G, L, D]: the G query heads of a KV head attend to the same keys.
   auto q = mx::reshape(
       mx::multiply(mx::astype(queries, mx::float32, s), mx::array(sc), s),
-      {d.B, d.H_kv, d.G, d.D}, s);
-  auto k = mx::astype(keys, mx::float32, s);
-  auto v = mx::astype(values, mx::float32, s);
+      {d.B, d.H_kv, d.G, d.L, d.D}, s);
+  auto k = mx::reshape(mx::astype(keys, mx::float32, s), {d.B, d.H_kv, 1, d.T, d.D}, s);
+  auto v = mx::reshape(mx::astype(values, mx::float32, s), {d.B, d.H_kv, 1, 1, d.T, d.D}, s);
 
-  auto lens = mx::clip(lengths_as_int32(valid_lens, d.T, s), mx::array(0), mx::array(d.T), s);
-  // valid [B, 1, T, 1]: true for positions a request attends to.
-  auto valid = mx::less(
-      mx::reshape(mx::arange(d.T, mx::int32, s), {1, 1, d.T, 1}, s),
-      mx::reshape(lens, {d.B, 1, 1, 1}, s), s);
-  auto valid_row = mx::swapaxes(valid, 2, 3, s); // [B, 1, 1, T]
+  // Row i of request b sits at p = len_b - L + i and attends keys lo .. p.
+  auto len = mx::reshape(clamped_positions(valid_lens, d.T, s), {d.B, 1}, s);
+  auto p = mx::add(mx::subtract(len, mx::array(d.L), s), mx::arange(d.L, mx::int32, s), s); // [B, L]
+  auto lo = kv_starts ? mx::reshape(clamped_positions(*kv_starts, d.T, s), {d.B, 1}, s)
+                      : mx::zeros({d.B, 1}, mx::int32, s);
+  if (window) {
+    const int w = effective_window(*window, d.T);
+    lo = mx::maximum(lo, mx::add(p, mx::array(1 - w), s), s);
+  }
+  auto j = mx::reshape(mx::arange(d.T, mx::int32, s), {1, 1, d.T}, s);
+  auto attends = mx::logical_and(
+      mx::greater_equal(j, mx::expand_dims(lo, 2, s), s),
+      mx::less_equal(j, mx::expand_dims(p, 2, s), s), s); // [B, L, T]
+  auto mask = mx::reshape(attends, {d.B, 1, 1, d.L, d.T}, s);
 
-  auto scores = mx::matmul(q, mx::swapaxes(k, 2, 3, s), s); // [B, H_kv, G, T]
-  auto neg_inf = mx::array(-std::numeric_limits<float>::infinity());
-  scores = mx::where(valid_row, scores, neg_inf, s);
-  // An empty request would have only -inf scores and NaN probabilities (and
+  auto scores = mx::matmul(q, mx::swapaxes(k, 3, 4, s), s); // [B, H_kv, G, L, T]
+  scores = mx::where(mask, scores, mx::array(-std::numeric_limits<float>::infinity()), s);
+  // A row without keys would have only -inf scores and NaN probabilities (and
   // gradients): give it finite scores, then zero all its probabilities below.
-  auto nonempty = mx::reshape(mx::greater(lens, mx::array(0), s), {d.B, 1, 1, 1}, s);
-  scores = mx::where(nonempty, scores, mx::array(0.0f), s);
-  auto probs = mx::softmax(scores, -1, /* precise */ true, s);
-  probs = mx::where(valid_row, probs, mx::array(0.0f), s);
-  // Padding may hold NaN or inf, and 0 * NaN is NaN: zero it before the product.
-  v = mx::where(valid, v, mx::array(0.0f), s);
+  scores = mx::where(mx::any(mask, -1, /* keepdims */ true, s), scores, mx::array(0.0f), s);
+  mx::array probs = scores;
+  if (sinks) {
+    // The sink is one more logit in each row's softmax, with no value.
+    auto sink = mx::broadcast_to(
+        mx::reshape(mx::astype(*sinks, mx::float32, s), {1, d.H_kv, d.G, 1, 1}, s),
+        {d.B, d.H_kv, d.G, d.L, 1}, s);
+    probs = mx::softmax(mx::concatenate({scores, sink}, 4, s), -1, /* precise */ true, s);
+    probs = mx::slice(probs, {0, 0, 0, 0, 0}, {d.B, d.H_kv, d.G, d.L, d.T}, s);
+  } else {
+    probs = mx::softmax(scores, -1, /* precise */ true, s);
+  }
+  probs = mx::where(mask, probs, mx::array(0.0f), s);
+  // A key outside a row's range may hold NaN or inf, and 0 * NaN is NaN: zero
+  // the values per row ([B, H_kv, 1, L, T, D]) before the product.
+  v = mx::where(mx::reshape(attends, {d.B, 1, 1, d.L, d.T, 1}, s), v, mx::array(0.0f), s);
 
-  auto out = mx::matmul(probs, v, s); // [B, H_kv, G, D]
-  return mx::astype(mx::reshape(out, {d.B, d.H_q, 1, d.D}, s), queries.dtype(), s);
+  auto out = mx::matmul(mx::reshape(probs, {d.B, d.H_kv, d.G, d.L, 1, d.T}, s), v, s);
+  return mx::astype(mx::reshape(out, {d.B, d.H_q, d.L, d.D}, s), queries.dtype(), s);
 }
 
 } // namespace mlx_batched_decode

@@ -20,8 +20,8 @@ def args(**over):
 
 
 CASES = [
-    ("queries rank", dict(queries=mx.zeros((B, H_q, D))), "queries must have shape [B, H_q, 1, D]"),
-    ("two query tokens", dict(queries=mx.zeros((B, H_q, 2, D))), "queries must have shape [B, H_q, 1, D]"),
+    ("queries rank", dict(queries=mx.zeros((B, H_q, D))), "queries must have shape [B, H_q, L, D]"),
+    ("no query rows", dict(queries=mx.zeros((B, H_q, 0, D))), "at least one row per request (L >= 1)"),
     ("keys rank", dict(keys=mx.zeros((B, H_kv, T))), "keys must have shape [B, H_kv, T, D]"),
     ("values shape", dict(values=mx.zeros((B, H_kv, T + 1, D))), "values must have the shape of keys"),
     ("batch mismatch", dict(keys=mx.zeros((B + 1, H_kv, T, D)), values=mx.zeros((B + 1, H_kv, T, D))), "keys have batch size 3 but queries have 2"),
@@ -29,12 +29,21 @@ CASES = [
     ("GQA ratio", dict(keys=mx.zeros((B, 3, T, D)), values=mx.zeros((B, 3, T, D))), "must be a positive multiple of the number of key/value heads (3)"),
     ("no kv heads", dict(keys=mx.zeros((B, 0, T, D)), values=mx.zeros((B, 0, T, D))), "positive multiple"),
     ("no query heads", dict(queries=mx.zeros((B, 0, 1, D))), "positive multiple"),
-    ("head dim", dict(queries=mx.zeros((B, H_q, 1, 48)), keys=mx.zeros((B, H_kv, T, 48)), values=mx.zeros((B, H_kv, T, 48))), "head dim 48 is not supported"),
+    ("head dim 0", dict(queries=mx.zeros((B, H_q, 1, 0)), keys=mx.zeros((B, H_kv, T, 0)), values=mx.zeros((B, H_kv, T, 0))), "head dim 0 is not supported; head dims 1 to 512 are"),
+    ("head dim 513", dict(queries=mx.zeros((B, H_q, 1, 513)), keys=mx.zeros((B, H_kv, T, 513)), values=mx.zeros((B, H_kv, T, 513))), "head dim 513 is not supported"),
     ("integer queries", dict(queries=mx.zeros((B, H_q, 1, D), mx.int32), keys=mx.zeros((B, H_kv, T, D), mx.int32), values=mx.zeros((B, H_kv, T, D), mx.int32)), "queries must be float16, bfloat16 or float32"),
     ("mixed dtypes", dict(keys=mx.zeros((B, H_kv, T, D), mx.float16)), "must share one dtype"),
     ("lens rank", dict(valid_lens=mx.array([[3, 4]])), "valid_lens must have shape [B] = (2,)"),
     ("lens length", dict(valid_lens=mx.array([3])), "valid_lens must have shape [B] = (2,)"),
     ("lens dtype", dict(valid_lens=mx.array([3.0, 4.0])), "valid_lens must have an integer dtype"),
+    ("starts rank", dict(kv_starts=mx.array([[0, 1]])), "kv_starts must have shape [B] = (2,)"),
+    ("starts length", dict(kv_starts=mx.array([0, 1, 2])), "kv_starts must have shape [B] = (2,)"),
+    ("starts dtype", dict(kv_starts=mx.array([0.0, 1.0])), "kv_starts must have an integer dtype"),
+    ("window 0", dict(window=0), "window must be >= 1, got 0"),
+    ("negative window", dict(window=-4), "window must be >= 1, got -4"),
+    ("sinks shape", dict(sinks=mx.zeros((H_kv,))), "sinks must have shape [H_q] = (8,), got (2,)"),
+    ("sinks rank", dict(sinks=mx.zeros((1, H_q))), "sinks must have shape [H_q] = (8,)"),
+    ("sinks dtype", dict(sinks=mx.zeros((H_q,), mx.int32)), "sinks must have a floating dtype"),
 ]
 
 
@@ -55,10 +64,16 @@ def test_non_finite_scale(scale):
 
 
 def test_errors_are_raised_before_work_is_queued(kernel_calls):
-    with pytest.raises(ValueError):
-        mbd.batched_decode_attention(**args(valid_lens=mx.array([1])))
+    for bad in (dict(valid_lens=mx.array([1])), dict(window=0), dict(sinks=mx.zeros((3,)))):
+        with pytest.raises(ValueError):
+            mbd.batched_decode_attention(**args(**bad))
     mx.synchronize()
     assert kernel_calls() == 0
+
+
+def test_window_must_be_an_int():
+    with pytest.raises(TypeError):
+        mbd.batched_decode_attention(**args(), window=2.5)
 
 
 def test_stream_is_keyword_only():

@@ -31,6 +31,8 @@ void BatchedDecodeAttention::eval_cpu(
   const auto& k = inputs[1];
   const auto& v = inputs[2];
   const auto& lens = inputs[3];
+  const mx::array* starts = has_kv_starts_ ? &inputs[4] : nullptr;
+  const mx::array* sinks = has_sinks_ ? &inputs[4 + has_kv_starts_] : nullptr;
   out.set_data(mx::allocator::malloc(out.nbytes()));
 
   cpu::DecodeArgs a{};
@@ -38,29 +40,33 @@ void BatchedDecodeAttention::eval_cpu(
   a.keys = k.data<void>();
   a.values = v.data<void>();
   a.valid_lens = lens.data<int32_t>();
+  a.kv_starts = starts ? starts->data<int32_t>() : nullptr;
+  a.sinks = sinks ? sinks->data<float>() : nullptr;
   a.out = out.data<void>();
   a.dtype = to_kernel_dtype(q.dtype());
   a.B = q.shape(0);
   a.H_q = q.shape(1);
   a.H_kv = k.shape(1);
   a.G = a.H_q / a.H_kv;
+  a.L = q.shape(2);
   a.T = k.shape(2);
   a.D = q.shape(3);
-  a.q_stride[0] = q.strides(0);
-  a.q_stride[1] = q.strides(1);
-  a.q_stride[2] = q.strides(3);
+  a.Dp = cpu::padded_head_dim(a.D);
+  a.window = effective_window(window_, a.T);
   for (int i = 0; i < 4; ++i) {
+    a.q_stride[i] = q.strides(i);
     a.k_stride[i] = k.strides(i);
     a.v_stride[i] = v.strides(i);
   }
   a.lens_stride = lens.strides(0);
+  a.starts_stride = starts ? starts->strides(0) : 0;
+  a.sinks_stride = sinks ? sinks->strides(0) : 0;
   a.scale = scale_;
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(q);
-  encoder.set_input_array(k);
-  encoder.set_input_array(v);
-  encoder.set_input_array(lens);
+  for (const mx::array& in : inputs) {
+    encoder.set_input_array(in);
+  }
   encoder.set_output_array(out);
   // Only the plain description is captured; the inputs outlive the task.
   encoder.dispatch([a]() { cpu::run_decode(a); });

@@ -2,48 +2,108 @@
 // scheduler and the per-instruction-set kernels (no MLX types cross here).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 
 namespace mlx_batched_decode::cpu {
 
 enum class Dtype { float16, bfloat16, float32 };
 
+// Head dims with a kernel of their own; any other D in [1, 512] runs the
+// generic kernel, on rows zero-padded to a multiple of kGenericDimStep.
+inline constexpr int kFastHeadDims[] = {32, 64, 80, 96, 112, 128, 160, 192, 256, 512};
+inline constexpr int kGenericDimStep = 16;
+
+inline bool is_fast_head_dim(int D) {
+  return std::find(std::begin(kFastHeadDims), std::end(kFastHeadDims), D) != std::end(kFastHeadDims);
+}
+
+// The head dim the kernel computes with: D itself or, for the generic kernel,
+// D rounded up to a multiple of kGenericDimStep.
+inline int padded_head_dim(int D) {
+  return is_fast_head_dim(D) ? D : (D + kGenericDimStep - 1) / kGenericDimStep * kGenericDimStep;
+}
+
+// Keys [lo, hi) of one query row; empty when hi <= lo.
+struct KeyRange {
+  int lo, hi;
+  bool empty() const {
+    return hi <= lo;
+  }
+};
+
 // Dimension legend: B requests, H_q query heads, H_kv key/value heads,
-// G = H_q / H_kv query heads per KV head, T padded length, D head dim.
+// G = H_q / H_kv query heads per KV head, L query rows per request, T padded
+// length, D head dim. The R = G * L query rows of one (request, KV head) are
+// numbered r = g * L + i (head g, row i), their order in the output.
 // Strides are in elements and may be anything (views are read in place).
 struct DecodeArgs {
-  const void* queries; // [B, H_q, 1, D]
+  const void* queries; // [B, H_q, L, D]
   const void* keys; // [B, H_kv, T, D]
   const void* values; // [B, H_kv, T, D]
   const int32_t* valid_lens; // [B], clamped to [0, T] by the kernel
-  void* out; // [B, H_q, 1, D], row contiguous
+  const int32_t* kv_starts; // [B] or null (0), clamped to [0, T] by the kernel
+  const float* sinks; // [H_q] or null
+  void* out; // [B, H_q, L, D], row contiguous
   Dtype dtype;
-  int B, H_q, H_kv, G, T, D;
-  int64_t q_stride[3]; // batch, head, dim
+  int B, H_q, H_kv, G, L, T, D;
+  int Dp; // padded_head_dim(D)
+  int window; // effective_window(): in [1, T], T (or 1) when the layer has none
+  int64_t q_stride[4]; // batch, head, row, dim
   int64_t k_stride[4]; // batch, head, position, dim
   int64_t v_stride[4];
   int64_t lens_stride;
+  int64_t starts_stride;
+  int64_t sinks_stride;
   float scale;
 
+  int rows() const {
+    return G * L;
+  }
   int length(int b) const {
-    int64_t n = valid_lens[b * lens_stride];
+    return clamp_position(valid_lens[b * lens_stride]);
+  }
+  int start(int b) const {
+    return kv_starts ? clamp_position(kv_starts[b * starts_stride]) : 0;
+  }
+  // Row i of request b sits at p = len - L + i and attends max(start, p - window + 1, 0) .. p.
+  KeyRange row_range(int len, int start, int i) const {
+    const int p = len - L + i;
+    return {std::max({start, p - window + 1, 0}), p + 1};
+  }
+  // The keys some row of request b attends: [lo of the first non-empty row, len).
+  // Rows are empty for a prefix of i (lo - p falls as i grows), and lo grows with i.
+  KeyRange request_range(int b) const {
+    const int len = length(b), begin = start(b);
+    for (int i = 0; i < L; ++i) {
+      const KeyRange r = row_range(len, begin, i);
+      if (!r.empty()) {
+        return {r.lo, len};
+      }
+    }
+    return {0, 0};
+  }
+
+ private:
+  int clamp_position(int64_t n) const {
     return n < 0 ? 0 : (n > T ? T : static_cast<int>(n));
   }
 };
 
-// Online-softmax state of the G query heads of one (request, KV head) over a
-// range of keys: running max m [G], running sum l [G] and the unnormalised
-// accumulator acc [G, D], all float32, stored back to back in one float buffer.
+// Online-softmax state of the R query rows of one (request, KV head) over a
+// range of keys: running max m [R], running sum l [R] and the unnormalised
+// accumulator acc [R, Dp], all float32, stored back to back in one float buffer.
 struct PartialState {
   float* m;
   float* l;
   float* acc;
 
-  static int64_t size(int G, int D) {
-    return static_cast<int64_t>(G) * (D + 2);
+  static int64_t size(int R, int Dp) {
+    return static_cast<int64_t>(R) * (Dp + 2);
   }
-  static PartialState at(float* base, int G, int D) {
-    return {base, base + G, base + 2 * G};
+  static PartialState at(float* base, int R) {
+    return {base, base + R, base + 2 * R};
   }
 };
 
@@ -52,12 +112,12 @@ struct Chunk {
   int b, h, t0, t1;
 };
 
-// Attends the G query heads of c.b, c.h to keys [c.t0, c.t1) and stores the
+// Attends the R query rows of c.b, c.h to keys [c.t0, c.t1) and stores the
 // state. next, if not null, is the chunk this thread runs after it: its first
 // rows are requested from memory while this one ends.
 using ChunkFn = void (*)(const DecodeArgs&, const Chunk& c, PartialState, const Chunk* next);
-// Merges the n partial states stored back to back at parts and writes the G
-// output rows of (b, h); n == 0 writes zeros (empty request).
+// Merges the n partial states stored back to back at parts and writes the R
+// output rows of (b, h); n == 0 (no key in any row) writes zeros.
 using FinalizeFn = void (*)(const DecodeArgs&, int b, int h, float* parts, int n);
 
 struct KernelFns {

@@ -19,6 +19,9 @@ namespace {
 // Keys scored before the accumulator is rescaled: one rescale per block
 // instead of one per key. A multiple of 8, the width of softmax_block.
 constexpr int kBlock = 32;
+static_assert(kBlock == 32, "a block's keys are the bits of one uint32_t mask");
+// The generic kernel's accumulator bound: the largest head dim.
+constexpr int kMaxDim = 512;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Keys scored with the AVX512_BF16 dot product: bfloat16 rows in a variant
@@ -32,26 +35,32 @@ template <typename T>
 constexpr bool kBf16Dot = false;
 #endif
 
-// Per-thread scratch, one per row type: scaled queries [G, D] (or unscaled
-// ones in T, q_raw, for kBf16Dot), scores [G, kBlock], the softmax rescale
-// factors of a block [G] and a block of key or value rows [kBlock, D]
-// gathered from a strided last axis.
+// Per-thread scratch, one per row type, for the R = G * L query rows of a
+// work item: scaled queries [R, Dp] (or unscaled ones in T, q_raw, for
+// kBf16Dot), scores [R, kBlock], the softmax rescale factors of a block [R],
+// the keys each row attends in a block (bit j: key t + j) [R], the key ranges
+// of the L rows and a block of key or value rows [kBlock, Dp] gathered from a
+// strided last axis or zero-padded to Dp.
 template <typename T>
 struct Scratch {
   std::vector<float> q;
   std::vector<T> q_raw;
   std::vector<float> scores;
   std::vector<float> alpha;
+  std::vector<uint32_t> masks;
+  std::vector<KeyRange> ranges;
   std::vector<T> block;
 
-  void reserve(int G, int D) {
-    grow(q, static_cast<size_t>(G) * D);
+  void reserve(int R, int L, int Dp) {
+    grow(q, static_cast<size_t>(R) * Dp);
     if constexpr (kBf16Dot<T>) {
-      grow(q_raw, static_cast<size_t>(G) * D);
+      grow(q_raw, static_cast<size_t>(R) * Dp);
     }
-    grow(scores, static_cast<size_t>(G) * kBlock);
-    grow(alpha, static_cast<size_t>(G));
-    grow(block, static_cast<size_t>(kBlock) * D);
+    grow(scores, static_cast<size_t>(R) * kBlock);
+    grow(alpha, static_cast<size_t>(R));
+    grow(masks, static_cast<size_t>(R));
+    grow(ranges, static_cast<size_t>(L));
+    grow(block, static_cast<size_t>(kBlock) * Dp);
   }
 
   template <typename V>
@@ -65,22 +74,33 @@ struct Scratch {
 template <typename T>
 thread_local Scratch<T> tls_scratch;
 
+// Whether rows of a head are copied into the scratch block rather than read
+// in place: a strided last axis, or the generic kernel's zero padding.
+template <int D>
+bool gathered(const int64_t* stride) {
+  return D == 0 || stride[3] != 1;
+}
+
 // Points rows[j] at position t + j of a [T, D] head, for j < n: in place
-// when the last axis is contiguous, else gathered into block. Rows n to the
-// next multiple of 4 repeat row n - 1, so the scoring can run on whole groups
-// of four; their scores are never read.
+// when the last axis is contiguous, else gathered into block, the D elements
+// of a row zero-padded to Dp. Rows n to the next multiple of 4 repeat row
+// n - 1, so the scoring can run on whole groups of four; their scores are
+// never read.
 template <typename T, int D>
-void load_block(const T* head, const int64_t* stride, int t, int n, T* block, const T** rows) {
+void load_block(const DecodeArgs& a, const T* head, const int64_t* stride, int t, int n, T* block, const T** rows) {
+  const int Dp = D ? D : a.Dp;
   for (int j = 0; j < n; ++j) {
     const T* row = head + (t + j) * stride[2];
-    if (stride[3] == 1) {
+    if (!gathered<D>(stride)) {
       rows[j] = row;
       continue;
     }
-    for (int i = 0; i < D; ++i) {
-      block[j * D + i] = row[i * stride[3]];
+    T* copy = block + j * Dp;
+    for (int i = 0; i < a.D; ++i) {
+      copy[i] = row[i * stride[3]];
     }
-    rows[j] = block + j * D;
+    std::fill(copy + a.D, copy + Dp, T(0.0f));
+    rows[j] = copy;
   }
   for (int j = n; j % 4 != 0; ++j) {
     rows[j] = rows[n - 1];
@@ -100,10 +120,11 @@ void prefetch_rows(const T* first, int64_t row_stride, int n) {
 
 // The rows to request while block [t, t + n) of chunk c runs: the next block
 // of c, else the first block of the chunk this thread runs next, so that short
-// chunks do not each start cold. Gathered rows (strided last axis) have no
-// fixed successor offset and are not requested.
-inline Lookahead successor_rows(const int64_t* stride, const Chunk& c, int t, int n, const Chunk* next) {
-  if (stride[3] != 1) {
+// chunks do not each start cold. Gathered rows have no fixed successor
+// offset and are not requested.
+template <int D>
+Lookahead successor_rows(const int64_t* stride, const Chunk& c, int t, int n, const Chunk* next) {
+  if (gathered<D>(stride)) {
     return {};
   }
   if (t + n < c.t1) {
@@ -117,57 +138,84 @@ inline Lookahead successor_rows(const int64_t* stride, const Chunk& c, int t, in
   return {offset, std::min(kBlock, next->t1 - next->t0)};
 }
 
-// Covers heads [0, G) with tiles of up to MaxH (4 or 2) heads: calls
-// tile.template operator()<H>(g) for as many tiles of MaxH as fit, then one
-// of 2 and one of 1 as the rest needs. Only the first tile (g == 0) requests
+// Covers query rows [0, R) with tiles of up to MaxH (4 or 2) rows: calls
+// tile.template operator()<H>(r) for as many tiles of MaxH as fit, then one
+// of 2 and one of 1 as the rest needs. Only the first tile (r == 0) requests
 // the next rows, since all tiles read the same rows.
 template <int MaxH, typename Tile>
-inline void for_head_tiles(int G, Tile&& tile) {
+inline void for_row_tiles(int R, Tile&& tile) {
   static_assert(MaxH == 2 || MaxH == 4);
-  int g = 0;
-  for (; g + MaxH <= G; g += MaxH) {
-    tile.template operator()<MaxH>(g);
+  int r = 0;
+  for (; r + MaxH <= R; r += MaxH) {
+    tile.template operator()<MaxH>(r);
   }
   if constexpr (MaxH == 4) {
-    if (g + 2 <= G) {
-      tile.template operator()<2>(g);
-      g += 2;
+    if (r + 2 <= R) {
+      tile.template operator()<2>(r);
+      r += 2;
     }
   }
-  if (g < G) {
-    tile.template operator()<1>(g);
+  if (r < R) {
+    tile.template operator()<1>(r);
+  }
+}
+
+// Bits j < n of the keys t + j of a block that range r holds.
+inline uint32_t block_mask(KeyRange r, int t, int n) {
+  const int lo = std::max(r.lo - t, 0), hi = std::min(r.hi - t, n);
+  if (hi <= lo) {
+    return 0;
+  }
+  const uint32_t below_hi = hi == 32 ? ~0u : (1u << hi) - 1;
+  return below_hi & ~((1u << lo) - 1);
+}
+
+// Loads the R query rows of (b, h) into the scratch: scaled float32 rows
+// [R, Dp] (unscaled T rows for kBf16Dot), zero-padded past D.
+template <typename T, int D>
+void load_queries(const DecodeArgs& a, int b, int h, Scratch<T>& s) {
+  const int Dp = D ? D : a.Dp;
+  const T* q = static_cast<const T*>(a.queries) + b * a.q_stride[0];
+  for (int r = 0; r < a.rows(); ++r) {
+    const int g = r / a.L, i = r % a.L;
+    const T* qr = q + static_cast<int64_t>(h * a.G + g) * a.q_stride[1] + i * a.q_stride[2];
+    if constexpr (kBf16Dot<T>) {
+      for (int e = 0; e < Dp; ++e) {
+        s.q_raw[r * Dp + e] = e < a.D ? qr[e * a.q_stride[3]] : T(0.0f);
+      }
+    } else if (D != 0 && a.q_stride[3] == 1) {
+      for (int e = 0; e < D; e += 8) {
+        store8(s.q.data() + r * D + e, load8(qr + e) * splat(a.scale));
+      }
+    } else {
+      for (int e = 0; e < Dp; ++e) {
+        s.q[r * Dp + e] = e < a.D ? static_cast<float>(qr[e * a.q_stride[3]]) * a.scale : 0.0f;
+      }
+    }
   }
 }
 
 template <typename T, int D>
 void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Chunk* next) {
   const int b = c.b, h = c.h, t0 = c.t0, t1 = c.t1;
-  const int G = a.G;
+  const int R = a.rows(), L = a.L;
+  const int Dp = D ? D : a.Dp;
   Scratch<T>& s = tls_scratch<T>;
-  s.reserve(G, D);
+  s.reserve(R, L, Dp);
   float* qs = s.q.data();
   float* scores = s.scores.data();
   float* alpha = s.alpha.data();
+  uint32_t* masks = s.masks.data();
 
-  const T* q = static_cast<const T*>(a.queries) + b * a.q_stride[0];
-  for (int g = 0; g < G; ++g) {
-    const T* qr = q + static_cast<int64_t>(h * G + g) * a.q_stride[1];
-    if constexpr (kBf16Dot<T>) {
-      for (int i = 0; i < D; ++i) {
-        s.q_raw[g * D + i] = qr[i * a.q_stride[2]];
-      }
-    } else if (a.q_stride[2] == 1) {
-      for (int i = 0; i < D; i += 8) {
-        store8(qs + g * D + i, load8(qr + i) * splat(a.scale));
-      }
-    } else {
-      for (int i = 0; i < D; ++i) {
-        qs[g * D + i] = static_cast<float>(qr[i * a.q_stride[2]]) * a.scale;
-      }
-    }
-    st.m[g] = kNegInf;
-    st.l[g] = 0.0f;
-    std::fill_n(st.acc + g * D, D, 0.0f);
+  load_queries<T, D>(a, b, h, s);
+  for (int r = 0; r < R; ++r) {
+    st.m[r] = kNegInf;
+    st.l[r] = 0.0f;
+    std::fill_n(st.acc + r * Dp, Dp, 0.0f);
+  }
+  const int len = a.length(b), start = a.start(b);
+  for (int i = 0; i < L; ++i) {
+    s.ranges[i] = a.row_range(len, start, i);
   }
 
   const T* kh = static_cast<const T*>(a.keys) + b * a.k_stride[0] + h * a.k_stride[1];
@@ -176,94 +224,146 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
   const T* rows[kBlock];
   // The first block's values are requested while its keys are scored, in case
   // no previous chunk requested them.
-  if (a.v_stride[3] == 1) {
+  if (!gathered<D>(a.v_stride)) {
     prefetch_rows<T, D>(vh + t0 * a.v_stride[2], a.v_stride[2], std::min(kBlock, t1 - t0));
   }
   for (int t = t0; t < t1; t += kBlock) {
     const int n = std::min(kBlock, t1 - t);
     // The next rows are requested from memory while this block is computed:
     // hardware prefetchers stop at each 4 KiB page.
-    const Lookahead k_next = successor_rows(a.k_stride, c, t, n, next);
-    const Lookahead v_next = successor_rows(a.v_stride, c, t, n, next);
+    const Lookahead k_next = successor_rows<D>(a.k_stride, c, t, n, next);
+    const Lookahead v_next = successor_rows<D>(a.v_stride, c, t, n, next);
 
-    // Each key row is read once and scored against all G query heads, two at a
+    // Each key row is read once and scored against all R query rows, two at a
     // time (four with the bfloat16 dot product).
-    load_block<T, D>(kh, a.k_stride, t, n, block, rows);
+    load_block<T, D>(a, kh, a.k_stride, t, n, block, rows);
     for (int j = 0; j < n; j += 4) {
       const Lookahead ahead{k_next.offset, k_next.rows - j};
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
       if constexpr (kBf16Dot<T>) {
-        for_head_tiles<4>(G, [&]<int H>(int g) {
-          dot_4_rows_bf16<D, H>(s.q_raw.data() + g * D, rows + j, scores + g * kBlock + j, kBlock, a.scale,
-                                g == 0 ? ahead : Lookahead{});
+        for_row_tiles<4>(R, [&]<int H>(int r) {
+          dot_4_rows_bf16<D, H>(s.q_raw.data() + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, a.scale,
+                                r == 0 ? ahead : Lookahead{});
         });
         continue;
       }
 #endif
-      for_head_tiles<2>(G, [&]<int H>(int g) {
-        dot_4_rows<D, H>(qs + g * D, rows + j, scores + g * kBlock + j, kBlock, g == 0 ? ahead : Lookahead{});
+      for_row_tiles<2>(R, [&]<int H>(int r) {
+        dot_4_rows<D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, r == 0 ? ahead : Lookahead{});
       });
     }
 
-    for (int g = 0; g < G; ++g) {
-      alpha[g] = softmax_block(scores + g * kBlock, n, st.m[g], st.l[g]);
+    // Rows whose range cuts this block (L > 1: the rows' ends differ, and their
+    // window starts) take no score and no value from the keys outside it.
+    const uint32_t all = n == 32 ? ~0u : (1u << n) - 1;
+    bool masked = false;
+    for (int i = 0; i < L; ++i) {
+      masks[i] = block_mask(s.ranges[i], t, n);
+      masked |= masks[i] != all;
+    }
+    if (masked) {
+      for (int r = R - 1; r >= 0; --r) {
+        masks[r] = masks[r % L];
+        for (int j = 0; j < n; ++j) {
+          if (!(masks[r] >> j & 1u)) {
+            scores[r * kBlock + j] = kNegInf;
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      alpha[r] = softmax_block(scores + r * kBlock, n, st.m[r], st.l[r]);
     }
 
-    // Value rows in tiles of up to four heads, each row chunk loaded once per tile.
-    load_block<T, D>(vh, a.v_stride, t, n, block, rows);
-    for_head_tiles<4>(G, [&]<int H>(int g) {
-      accumulate_rows<D, H>(st.acc + g * D, alpha + g, scores + g * kBlock, kBlock, rows, n, g == 0 ? v_next : Lookahead{});
+    // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.
+    load_block<T, D>(a, vh, a.v_stride, t, n, block, rows);
+    if (masked) {
+      for_row_tiles<4>(R, [&]<int H>(int r) {
+        accumulate_rows<D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, masks + r);
+      });
+      continue;
+    }
+    for_row_tiles<4>(R, [&]<int H>(int r) {
+      accumulate_rows<D, H, false>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, nullptr,
+                                   r == 0 ? v_next : Lookahead{});
     });
   }
 }
 
 template <typename T, int D>
 void finalize(const DecodeArgs& a, int b, int h, float* parts, int n) {
-  const int G = a.G;
-  const int64_t part_size = PartialState::size(G, D);
-  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.H_q + h * G) * D;
-  for (int g = 0; g < G; ++g) {
-    T* o = out + g * D;
-    if (n == 0) {
-      std::fill_n(o, D, T(0.0f));
+  const int R = a.rows();
+  const int Dp = D ? D : a.Dp;
+  const int64_t part_size = PartialState::size(R, Dp);
+  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.H_q + h * a.G) * a.L * a.D;
+  const int len = a.length(b), start = a.start(b);
+  for (int r = 0; r < R; ++r) {
+    T* o = out + static_cast<int64_t>(r) * a.D;
+    if (n == 0 || a.row_range(len, start, r % a.L).empty()) {
+      std::fill_n(o, a.D, T(0.0f));
       continue;
     }
     float m = kNegInf;
     for (int c = 0; c < n; ++c) {
-      m = std::max(m, PartialState::at(parts + c * part_size, G, D).m[g]);
+      m = std::max(m, PartialState::at(parts + c * part_size, R).m[r]);
     }
+    // The sink joins the denominator only: one more logit, with no value.
+    const float sink = a.sinks ? a.sinks[(h * a.G + r / a.L) * a.sinks_stride] : kNegInf;
+    const float m_all = std::max(m, sink);
     // Log-sum-exp weights; a part whose scores were all -inf weighs nothing.
-    float l = 0.0f;
-    float acc[D] = {};
+    float l = sink == kNegInf ? 0.0f : std::exp(sink - m_all);
+    float acc[D ? D : kMaxDim] = {};
     for (int c = 0; c < n; ++c) {
-      const PartialState p = PartialState::at(parts + c * part_size, G, D);
-      const float w = p.m[g] == kNegInf ? 0.0f : std::exp(p.m[g] - m);
-      l += w * p.l[g];
-      axpy<D>(acc, w, p.acc + g * D);
+      const PartialState p = PartialState::at(parts + c * part_size, R);
+      const float w = p.m[r] == kNegInf ? 0.0f : std::exp(p.m[r] - m_all);
+      l += w * p.l[r];
+      axpy(acc, w, p.acc + r * Dp, Dp);
     }
     // l == 0 only when every score was -inf: 0/0 = NaN, as in the reference.
     const f32x8 inv = splat(1.0f / l);
-    for (int i = 0; i < D; i += 8) {
-      store8(o + i, load8(acc + i) * inv);
+    if (D != 0) {
+      for (int e = 0; e < D; e += 8) {
+        store8(o + e, load8(acc + e) * inv);
+      }
+    } else {
+      for (int e = 0; e < a.D; ++e) {
+        o[e] = static_cast<T>(acc[e] * inv[0]);
+      }
     }
   }
 }
 
+template <typename T, int D>
+constexpr KernelFns fns() {
+  return {attend_chunk<T, D>, finalize<T, D>};
+}
+
+// The kernel of a fast head dim (kFastHeadDims), else the generic one (D = 0).
 template <typename T>
 KernelFns fns_for_dtype(int head_dim) {
   switch (head_dim) {
+    case 32:
+      return fns<T, 32>();
     case 64:
-      return {attend_chunk<T, 64>, finalize<T, 64>};
+      return fns<T, 64>();
     case 80:
-      return {attend_chunk<T, 80>, finalize<T, 80>};
+      return fns<T, 80>();
     case 96:
-      return {attend_chunk<T, 96>, finalize<T, 96>};
+      return fns<T, 96>();
+    case 112:
+      return fns<T, 112>();
     case 128:
-      return {attend_chunk<T, 128>, finalize<T, 128>};
+      return fns<T, 128>();
+    case 160:
+      return fns<T, 160>();
+    case 192:
+      return fns<T, 192>();
     case 256:
-      return {attend_chunk<T, 256>, finalize<T, 256>};
+      return fns<T, 256>();
+    case 512:
+      return fns<T, 512>();
     default:
-      return {nullptr, nullptr};
+      return fns<T, 0>();
   }
 }
 

@@ -5,7 +5,8 @@
 
 namespace mlx_batched_decode::cpu {
 
-// Each returns {nullptr, nullptr} for a head dim it has no kernel for.
+// Each returns the kernel of a head dim: its own for kFastHeadDims, else the
+// generic one.
 namespace baseline {
 KernelFns kernel_fns(Dtype dtype, int head_dim);
 }

@@ -47,6 +47,7 @@ WorkerPool& pool() {
 struct Item {
   Chunk chunk;
   int64_t pair; // index of (b, h) in parts_begin / remaining
+  int part; // index of the chunk among its pair's
 };
 
 struct Call {
@@ -63,14 +64,14 @@ struct Call {
     const Chunk& c = it.chunk;
     const int64_t first = parts_begin[it.pair];
     const int n = static_cast<int>(parts_begin[it.pair + 1] - first);
-    const int64_t part_size = PartialState::size(args.G, args.D);
+    const int64_t part_size = PartialState::size(args.rows(), args.Dp);
     float* base = parts.data() + first * part_size;
     if (n == 0) {
       fns.finalize(args, c.b, c.h, nullptr, 0);
       return;
     }
-    const int64_t part = c.t0 / kChunk;
-    fns.chunk(args, c, PartialState::at(base + part * part_size, args.G, args.D), following ? &following->chunk : nullptr);
+    fns.chunk(args, c, PartialState::at(base + it.part * part_size, args.rows()),
+              following ? &following->chunk : nullptr);
     // The last chunk of a pair to finish merges them; acq_rel makes the other
     // chunks' partial states visible to it.
     if (remaining[it.pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
@@ -102,23 +103,26 @@ std::shared_ptr<Call> plan(const DecodeArgs& a) {
   call->remaining = std::make_unique<std::atomic<int>[]>(pairs);
   int64_t total = 0;
   for (int b = 0; b < a.B; ++b) {
-    const int len = a.length(b);
-    const int chunks = (len + kChunk - 1) / kChunk;
+    // Only the keys some query row attends are read: a window or a start skips the rest.
+    const KeyRange keys = a.request_range(b);
+    const int n = std::max(0, keys.hi - keys.lo);
+    const int chunks = (n + kChunk - 1) / kChunk;
     for (int h = 0; h < a.H_kv; ++h) {
       const int64_t pair = static_cast<int64_t>(b) * a.H_kv + h;
       call->parts_begin[pair] = total;
       call->remaining[pair].store(chunks, std::memory_order_relaxed);
       total += chunks;
       if (chunks == 0) {
-        call->items.push_back({{b, h, 0, 0}, pair});
+        call->items.push_back({{b, h, 0, 0}, pair, 0});
       }
       for (int c = 0; c < chunks; ++c) {
-        call->items.push_back({{b, h, c * kChunk, std::min(len, (c + 1) * kChunk)}, pair});
+        const int t0 = keys.lo + c * kChunk;
+        call->items.push_back({{b, h, t0, std::min(keys.hi, t0 + kChunk)}, pair, c});
       }
     }
   }
   call->parts_begin[pairs] = total;
-  call->parts.resize(total * PartialState::size(a.G, a.D));
+  call->parts.resize(total * PartialState::size(a.rows(), a.Dp));
   return call;
 }
 
@@ -141,9 +145,10 @@ void run_decode(const DecodeArgs& args) {
     return;
   }
 
+  // K/V elements read, times the rows that use each: the arithmetic grows with L.
   int64_t elements = 0;
-  for (int b = 0; b < args.B; ++b) {
-    elements += static_cast<int64_t>(args.length(b)) * args.H_kv * args.D;
+  for (const Item& it : call->items) {
+    elements += static_cast<int64_t>(it.chunk.t1 - it.chunk.t0) * args.D * args.L;
   }
   const int helpers = elements < kMinParallelElements
       ? 0

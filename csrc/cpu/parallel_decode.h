@@ -8,8 +8,9 @@
 namespace mlx_batched_decode::cpu {
 
 // Computes one call synchronously on the calling thread plus the shared pool.
-// Work items are (request, KV head, chunk of at most kChunk keys), built from
-// the actual lengths, so the work is proportional to their sum, not to B * T.
+// Work items are (request, KV head, chunk of at most kChunk keys) over the
+// keys some query row of the request attends, built from the actual lengths,
+// starts and window, so the work is proportional to the keys read, not B * T.
 void run_decode(const DecodeArgs& args);
 
 // Number of run_decode calls so far: lets tests prove the fused kernel ran.

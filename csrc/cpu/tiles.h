@@ -45,24 +45,26 @@ inline void prefetch_successor(const T* row, int i, int j, Lookahead ahead) {
   }
 }
 
-// Scores of a tile of H query heads against four rows of T (float32, or a
+// Scores of a tile of H query rows against four rows of T (float32, or a
 // 16-bit type with a load8 overload that widens it):
-// out[h * out_stride + c] = dot(q + h * D, rows[c]) for h < H, c < 4.
-// Each row chunk loaded once serves H heads, and the 4H independent
+// out[h * out_stride + c] = dot(q + h * Dn, rows[c]) for h < H, c < 4, where
+// Dn is D, or `dim` (a multiple of 8) for the generic kernel (D == 0).
+// Each row chunk loaded once serves H query rows, and the 4H independent
 // accumulator chains hide the FMA latency a single dot is bound by.
 template <int D, int H, typename T>
-inline void dot_4_rows(const float* q, const T* const* rows, float* out, int out_stride, Lookahead ahead = {}) {
+inline void dot_4_rows(const float* q, const T* const* rows, float* out, int out_stride, int dim, Lookahead ahead = {}) {
   static_assert(D % 8 == 0, "head dims are multiples of 8");
+  const int Dn = D ? D : dim;
   const T* r[4] = {rows[0], rows[1], rows[2], rows[3]};
   f32x8 s[H][4] = {};
-  for (int i = 0; i < D; i += 8) {
+  for (int i = 0; i < Dn; i += 8) {
     f32x8 k[4];
     for (int c = 0; c < 4; ++c) {
       prefetch_successor(r[c], i, c, ahead);
       k[c] = in_register(load8(r[c] + i));
     }
     for (int h = 0; h < H; ++h) {
-      const f32x8 qh = in_register(load8(q + h * D + i));
+      const f32x8 qh = in_register(load8(q + h * Dn + i));
       for (int c = 0; c < 4; ++c) {
         s[h][c] += qh * k[c];
       }
@@ -74,10 +76,10 @@ inline void dot_4_rows(const float* q, const T* const* rows, float* out, int out
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// dot_4_rows for bfloat16 rows and unscaled bfloat16 queries q [H, D], with
+// dot_4_rows for bfloat16 rows and unscaled bfloat16 queries q [H, Dn], with
 // the AVX512_BF16 dot product: each instruction multiplies 16 pairs exactly
 // and adds them into 8 float32 lanes, so keys are not widened and the score
-// FMAs halve. out[h * out_stride + c] = scale * dot(q + h * D, rows[c]).
+// FMAs halve. out[h * out_stride + c] = scale * dot(q + h * Dn, rows[c]).
 // 4H accumulators and 4 rows of keys need the 32 registers of AVX-512VL.
 template <int D, int H>
 inline void dot_4_rows_bf16(
@@ -85,19 +87,21 @@ inline void dot_4_rows_bf16(
     const mx::bfloat16_t* const* rows,
     float* out,
     int out_stride,
+    int dim,
     float scale,
     Lookahead ahead = {}) {
   static_assert(D % 16 == 0, "head dims are multiples of 16");
+  const int Dn = D ? D : dim;
   const mx::bfloat16_t* r[4] = {rows[0], rows[1], rows[2], rows[3]};
   f32x8 s[H][4] = {};
-  for (int i = 0; i < D; i += 16) {
+  for (int i = 0; i < Dn; i += 16) {
     __m256bh k[4];
     for (int c = 0; c < 4; ++c) {
       prefetch_successor(r[c], i, c, ahead);
       k[c] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r[c] + i));
     }
     for (int h = 0; h < H; ++h) {
-      const auto qh = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + h * D + i));
+      const auto qh = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + h * Dn + i));
       for (int c = 0; c < 4; ++c) {
         s[h][c] = _mm256_dpbf16_ps(s[h][c], qh, k[c]);
       }
@@ -114,8 +118,12 @@ inline void dot_4_rows_bf16(
 #endif
 
 // Vectors per slice of accumulate_rows: as many as keep 8 accumulators busy
-// for H heads (8 chains cover the FMA latency) and divide the D / 8 vectors.
+// for H rows (8 chains cover the FMA latency) and divide the D / 8 vectors.
+// The generic kernel's padded dims are multiples of 16: two vectors.
 constexpr int slice_vectors(int D, int H) {
+  if (D == 0) {
+    return 2;
+  }
   for (int w = 8 / H; w > 1; --w) {
     if ((D / 8) % w == 0) {
       return w;
@@ -124,20 +132,31 @@ constexpr int slice_vectors(int D, int H) {
   return 1;
 }
 
-// Weighted rows of T into the rescaled accumulators of a tile of H heads:
+// Weighted rows of T into the rescaled accumulators of a tile of H query rows:
 // acc[h] = alpha[h] * acc[h] + sum_j w[h * w_stride + j] * rows[j] for h < H,
-// j < n, acc [H, D]. One slice of D at a time stays in registers over all n
+// j < n, acc [H, Dn]. One slice of Dn at a time stays in registers over all n
 // rows, so acc is loaded and stored once per call, not once per row, and the
-// online softmax's rescale rides on that load.
-template <int D, int H, typename T>
+// online softmax's rescale rides on that load. Masked: row j joins acc[h]
+// only where bit j of masks[h] is set, so that a key outside a query row's
+// range adds nothing, not 0 * NaN (blocks on the edge of a row's range only).
+template <int D, int H, bool Masked, typename T>
 inline void accumulate_rows(
-    float* acc, const float* alpha, const float* w, int w_stride, const T* const* rows, int n, Lookahead ahead = {}) {
+    float* acc,
+    const float* alpha,
+    const float* w,
+    int w_stride,
+    const T* const* rows,
+    int n,
+    int dim,
+    const uint32_t* masks,
+    Lookahead ahead = {}) {
   constexpr int W = slice_vectors(D, H);
-  for (int i = 0; i < D; i += 8 * W) {
+  const int Dn = D ? D : dim;
+  for (int i = 0; i < Dn; i += 8 * W) {
     f32x8 a[H][W];
     for (int h = 0; h < H; ++h) {
       for (int c = 0; c < W; ++c) {
-        a[h][c] = load8(acc + h * D + i + 8 * c) * alpha[h];
+        a[h][c] = load8(acc + h * Dn + i + 8 * c) * alpha[h];
       }
     }
     for (int j = 0; j < n; ++j) {
@@ -147,6 +166,11 @@ inline void accumulate_rows(
         v[c] = in_register(load8(rows[j] + i + 8 * c));
       }
       for (int h = 0; h < H; ++h) {
+        if constexpr (Masked) {
+          if (!(masks[h] >> j & 1u)) {
+            continue;
+          }
+        }
         const f32x8 wh = splat(w[h * w_stride + j]);
         for (int c = 0; c < W; ++c) {
           a[h][c] += wh * v[c];
@@ -155,7 +179,7 @@ inline void accumulate_rows(
     }
     for (int h = 0; h < H; ++h) {
       for (int c = 0; c < W; ++c) {
-        store8(acc + h * D + i + 8 * c, a[h][c]);
+        store8(acc + h * Dn + i + 8 * c, a[h][c]);
       }
     }
   }

@@ -112,10 +112,9 @@ inline float softmax_block(float* x, int n, float& m, float& l) {
   return alpha;
 }
 
-template <int D>
-inline void axpy(float* __restrict y, float a, const float* __restrict x) {
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int n) {
 #pragma omp simd
-  for (int i = 0; i < D; ++i) {
+  for (int i = 0; i < n; ++i) {
     y[i] += a * x[i];
   }
 }

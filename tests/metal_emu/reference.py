@@ -26,22 +26,39 @@ def to_float64(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(np.float64)
 
 
-def reference_attention(queries, keys, values, valid_lens, scale):
-    """float64 attention of each request over its first clamp(len, 0, T) positions.
+def row_range(length: int, start: int, rows: int, i: int, window: int | None) -> tuple[int, int]:
+    """Keys [lo, hi) that row ``i`` of ``rows`` attends in a request of ``length`` keys whose
+    first valid key is ``start`` (both already clamped to [0, T])."""
+    p = length - rows + i
+    lo = max(start, 0 if window is None else p - window + 1, 0)
+    return lo, p + 1
 
-    queries [B, H_q, 1, D], keys/values [B, H_kv, T, D] (float64), valid_lens [B].
-    A request with no valid position gets zeros.
+
+def reference_attention(queries, keys, values, valid_lens, scale, kv_starts=None, window=None, sinks=None):
+    """float64 attention of each query row over its own range of keys.
+
+    queries [B, H_q, L, D], keys/values [B, H_kv, T, D] (float64), valid_lens and
+    kv_starts [B] (clamped to [0, T]), window an int >= 1 or None, sinks [H_q] or None.
+    Row i of request b sits at p = len_b - L + i and attends keys
+    max(start_b, p - window + 1, 0) .. p; a sink is one more logit in the row's
+    softmax, with no value. A row with no key gets zeros. Keys outside a row's
+    range are never looked at, so NaN there changes nothing.
     """
-    b, h_q, _, d = queries.shape
+    b, h_q, rows, d = queries.shape
     h_kv, t = keys.shape[1], keys.shape[2]
-    out = np.zeros((b, h_q, 1, d))
-    for i in range(b):
-        n = int(np.clip(valid_lens[i], 0, t))
-        if n == 0:
-            continue
-        for h in range(h_q):
-            kv = h // (h_q // h_kv)
-            scores = keys[i, kv, :n] @ queries[i, h, 0] * scale
-            weights = np.exp(scores - scores.max())
-            out[i, h, 0] = weights @ values[i, kv, :n] / weights.sum()
+    out = np.zeros((b, h_q, rows, d))
+    for n in range(b):
+        length = int(np.clip(valid_lens[n], 0, t))
+        start = 0 if kv_starts is None else int(np.clip(kv_starts[n], 0, t))
+        for i in range(rows):
+            lo, hi = row_range(length, start, rows, i, window)
+            if hi <= lo:
+                continue
+            for h in range(h_q):
+                kv = h // (h_q // h_kv)
+                scores = keys[n, kv, lo:hi] @ queries[n, h, i] * scale
+                m = scores.max() if sinks is None else max(scores.max(), float(sinks[h]))
+                weights = np.exp(scores - m)
+                total = weights.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+                out[n, h, i] = weights @ values[n, kv, lo:hi] / total
     return out
