@@ -117,8 +117,10 @@ Raises:
 
   m.def("cpu_kernel_calls", &mbd::cpu::kernel_calls,
         "Number of times the fused CPU kernel has run in this process.");
+  m.def("cpu_tile_blocks", &mbd::cpu::tile_blocks,
+        "Number of 32-key blocks the CPU kernel has computed on AMX tiles in this process.");
   m.def("cpu_isa", &mbd::cpu::current_isa,
-        "Instruction-set variant of the CPU kernel in use ('avx2' or 'baseline').");
+        "Instruction-set variant of the CPU kernel in use: 'baseline', 'avx2', 'avx512bf16' or 'amx'.");
   m.def("cpu_isas", &mbd::cpu::available_isas,
         "CPU kernel variants this build has and this CPU supports, best last.");
   m.def("set_cpu_isa", &mbd::cpu::set_isa, "name"_a,

@@ -23,9 +23,9 @@ LENS = [5, 0, T]
 I32_MAX, I32_MIN = 2**31 - 1, -(2**31)
 
 
-def inputs(dtype=mx.float32, seed=0, b=B, t=T):
+def inputs(dtype=mx.float32, seed=0, b=B, t=T, rows=1):
     rng = np.random.default_rng(seed)
-    q = mx.array(rng.standard_normal((b, H_q, 1, D)), dtype=dtype)
+    q = mx.array(rng.standard_normal((b, H_q, rows, D)), dtype=dtype)
     k = mx.array(rng.standard_normal((b, H_kv, t, D)), dtype=dtype)
     v = mx.array(rng.standard_normal((b, H_kv, t, D)), dtype=dtype)
     return q, k, v
@@ -95,6 +95,33 @@ def ok_cases():
         args[pos] = wide(x)
         cases[f"{name} strided last axis"] = call(*args)
     cases["all strided last axis"] = call(wide(q), wide(k), wide(v))
+    q_rows = inputs(rows=2 * T)[0]
+    cases["more query rows than T"] = call(q_rows)
+    cases["more query rows than T, window 1"] = call(q_rows, window=1)
+    for name, starts in {
+        "int32 extremes": mx.array([I32_MAX, I32_MIN, 1], mx.int32),
+        "int64 beyond int32": mx.array([2**40, -(2**40), 3], mx.int64),
+        "uint64 beyond int32": mx.array(np.array([2**63, 0, 8], np.uint64)),
+        "past the lengths": mx.array([6, 3, T], mx.int32),
+        "broadcast": mx.broadcast_to(mx.array([2], mx.int32), (B,)),
+        "reversed": mx.array([1, 2, 3], mx.int32)[::-1],
+    }.items():
+        cases[f"kv_starts {name}"] = call(kv_starts=starts)
+    for window in (1, 2, T, T + 1, I32_MAX):
+        cases[f"window {window}"] = call(window=window)
+    sinks = mx.array([0.5, -2.0, 1.0, 0.0])
+    for name, value in {
+        "float64": sinks.astype(mx.float64),
+        "bfloat16": sinks.astype(mx.bfloat16),
+        "-inf": mx.full((H_q,), -float("inf")),
+        "huge": mx.full((H_q,), 1e30),
+        "broadcast": mx.broadcast_to(sinks[:1], (H_q,)),
+        "negative stride": sinks[::-1],
+    }.items():
+        cases[f"sinks {name}"] = call(sinks=value)
+    cases["every option, rows past T"] = call(
+        q_rows, kv_starts=mx.array([I32_MIN, 4, I32_MAX], mx.int32), window=3, sinks=sinks
+    )
     return cases
 
 
@@ -116,6 +143,17 @@ def value_error_cases():
     }
     for dt in (mx.bool_, mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.complex64):
         cases[f"lens {dtype_id(dt)}"] = (call(lens=lens.astype(dt)), "integer dtype")
+        cases[f"kv_starts {dtype_id(dt)}"] = (call(kv_starts=lens.astype(dt)), "integer dtype")
+    for dt in (mx.bool_, mx.int32, mx.uint8):
+        cases[f"sinks {dtype_id(dt)}"] = (call(sinks=mx.zeros((H_q,), dt)), "floating dtype")
+    cases["kv_starts batch 2"] = (call(kv_starts=lens[:2]), "kv_starts must have shape [B] = (3,)")
+    cases["kv_starts 0-d"] = (call(kv_starts=mx.array(1)), "kv_starts must have shape [B]")
+    cases["sinks per KV head"] = (call(sinks=mx.zeros((H_kv,))), "sinks must have shape [H_q] = (4,)")
+    cases["sinks 2-d"] = (call(sinks=mx.zeros((1, H_q))), "sinks must have shape [H_q]")
+    cases["sinks 0-d"] = (call(sinks=mx.array(1.0)), "sinks must have shape [H_q]")
+    for window in (0, -1, I32_MIN):
+        cases[f"window {window}"] = (call(window=window), "window must be >= 1")
+    cases["no query rows"] = (call(q=inputs(rows=0)[0]), "at least one row per request")
     scalar, five_d = mx.array(1.0), mx.zeros((1, B, H_kv, T, D))
     for name, pos, message in (
         ("queries", 0, "queries must have shape"),
@@ -157,6 +195,11 @@ def type_error_cases():
             cases[f"{name} as {kind}"] = (tuple(args), {})
     cases["scale as str"] = call(scale="0.5")
     cases["stream as str"] = call(stream="cpu")
+    cases["window as float"] = call(window=2.0)
+    cases["window as str"] = call(window="2")
+    cases["window beyond int32"] = call(window=2**31)
+    cases["kv_starts as list"] = call(kv_starts=[0, 1, 2])
+    cases["sinks as numpy"] = call(sinks=np.zeros(H_q, np.float32))
     return cases
 
 
@@ -168,8 +211,14 @@ def run_case(args, kwargs):
     except (ValueError, TypeError) as e:
         return {"outcome": type(e).__name__, "message": str(e)}
     q, k, v, lens = args
-    # numpy_reference clamps each length to [0, T]; it reads the views through numpy.
-    expected = numpy_reference(q, k, v, np.array(lens), kwargs.get("scale"))
+    starts, sinks = kwargs.get("kv_starts"), kwargs.get("sinks")
+    # numpy_reference clamps each position to [0, T]; it reads the views through numpy.
+    expected = numpy_reference(
+        q, k, v, np.array(lens), kwargs.get("scale"),
+        kv_starts=None if starts is None else [min(max(n, -1), T + 1) for n in np.array(starts).tolist()],
+        window=kwargs.get("window"),
+        sinks=sinks,
+    )
     return {
         "outcome": "ok",
         "shape_and_dtype_match": out.shape == q.shape and out.dtype == q.dtype,

@@ -19,6 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "sanitize"
 KERNEL_TESTS = [
     "tests/test_batched_decode_attention.py",
+    "tests/test_decode_shapes.py",
+    "tests/test_cpu_tiles.py",
     "tests/test_properties.py",
     "tests/test_strided_inputs.py",
     "tests/test_transforms.py",

@@ -92,18 +92,23 @@ struct DecodeArgs {
 };
 
 // Online-softmax state of the R query rows of one (request, KV head) over a
-// range of keys: running max m [R], running sum l [R] and the unnormalised
-// accumulator acc [R, Dp], all float32, stored back to back in one float buffer.
+// range of keys: running max m, running sum l and the unnormalised
+// accumulator acc [rows, Dp], all float32, stored back to back in one float
+// buffer. Rows are allocated in whole groups of 16, so that the AMX path
+// reads and writes whole tiles; rows past R are scratch.
 struct PartialState {
   float* m;
   float* l;
   float* acc;
 
+  static int rows(int R) {
+    return (R + 15) / 16 * 16;
+  }
   static int64_t size(int R, int Dp) {
-    return static_cast<int64_t>(R) * (Dp + 2);
+    return static_cast<int64_t>(rows(R)) * (Dp + 2);
   }
   static PartialState at(float* base, int R) {
-    return {base, base + R, base + 2 * R};
+    return {base, base + rows(R), base + 2 * rows(R)};
   }
 };
 

@@ -6,9 +6,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/amx_tiles.h"
 #include "cpu/convert.h"
 #include "cpu/decode_args.h"
 #include "cpu/kernel_table.h"
+#include "cpu/parallel_decode.h"
 #include "cpu/tiles.h"
 #include "cpu/vector_math.h"
 
@@ -33,6 +35,22 @@ constexpr bool kBf16Dot = std::is_same_v<T, mx::bfloat16_t>;
 #else
 template <typename T>
 constexpr bool kBf16Dot = false;
+#endif
+
+// Blocks of 16-bit keys and values run on AMX tiles in a variant compiled for
+// them (see amx_tiles.h) when a work item has at least kAmxMinRows query rows;
+// with fewer, the vector path costs less (measured on the development VM:
+// splitting float16 keys and values into bfloat16 parts costs about what 8
+// rows of vector arithmetic do). float32 keeps the vector path.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+template <typename T>
+constexpr bool kAmx = !std::is_same_v<T, float>;
+template <typename T>
+constexpr int kAmxMinRows = std::is_same_v<T, mx::float16_t> ? 12 : 8;
+thread_local amx::Scratch tls_amx;
+#else
+template <typename T>
+constexpr bool kAmx = false;
 #endif
 
 // Per-thread scratch, one per row type, for the R = G * L query rows of a
@@ -195,6 +213,104 @@ void load_queries(const DecodeArgs& a, int b, int h, Scratch<T>& s) {
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// One work item's AMX state: the queries as tile operands and each row
+// group's key ranges as lanes; block() runs one block of keys on the tiles.
+template <typename T>
+struct AmxItem {
+  int R = 0, groups = 0, Dp = 0, Dq = 0;
+  bool usable = false;
+  uint64_t blocks = 0; // computed on the tiles
+  std::vector<KeyRange> group_keys; // [groups]: the keys every row of the group attends
+  std::vector<int32_t> lo, hi; // [groups * 16]: row r's keys [lo, hi), 0 past R
+
+  void begin(const DecodeArgs& a, int b, int h, int dp, const KeyRange* ranges) {
+    R = a.rows();
+    groups = (R + amx::kRows - 1) / amx::kRows;
+    Dp = dp;
+    Dq = (dp + 31) / 32 * 32;
+    tls_amx.reserve(groups, Dq, Dp);
+    std::vector<const T*> q_rows(R);
+    const T* q = static_cast<const T*>(a.queries) + b * a.q_stride[0];
+    for (int r = 0; r < R; ++r) {
+      q_rows[r] = q + static_cast<int64_t>(h * a.G + r / a.L) * a.q_stride[1] + (r % a.L) * a.q_stride[2];
+    }
+    // Queries that are not finite leave the item to the vector path.
+    usable = amx::transpose_queries(q_rows.data(), a.q_stride[3], R, a.D, Dq, tls_amx);
+    lo.assign(groups * amx::kRows, 0);
+    hi.assign(groups * amx::kRows, 0);
+    group_keys.assign(groups, {0, std::numeric_limits<int>::max()});
+    for (int r = 0; r < R; ++r) {
+      const KeyRange k = ranges[r % a.L];
+      lo[r] = k.lo;
+      hi[r] = k.hi;
+      KeyRange& all = group_keys[r / amx::kRows];
+      all = {std::max(all.lo, k.lo), std::min(all.hi, k.hi)};
+    }
+    if (usable) {
+      amx::configure();
+    }
+  }
+
+  void end() {
+    if (usable) {
+      amx::release();
+      count_tile_blocks(blocks);
+    }
+  }
+
+  // Keys [t, t + n) of head kh / vh into the state; false (nothing changed)
+  // when a key or value of the block is not finite. load(head, stride) points
+  // rows at the block's rows of a head, as load_block does.
+  template <typename Load>
+  bool block(const DecodeArgs& a, const T* kh, const T* vh, int t, int n, Lookahead k_next, Lookahead v_next,
+             const T** rows, PartialState st, Load&& load) {
+    if (!usable) {
+      return false;
+    }
+    constexpr bool split16 = std::is_same_v<T, mx::float16_t>;
+    amx::Scratch& s = tls_amx;
+    load(kh, a.k_stride);
+    // Whole blocks of bfloat16 keys in rows of whole 32-element chunks are
+    // read by the tile loads in place.
+    const uint16_t* keys = s.k_hi.data();
+    int64_t k_stride = Dq;
+    if constexpr (split16) {
+      if (!amx::split_keys(rows, n, Dp, Dq, k_next.rows, k_next.offset, s)) {
+        return false;
+      }
+    } else if (n == kBlock && Dp == Dq && rows[1] == rows[0] + a.k_stride[2]) {
+      keys = reinterpret_cast<const uint16_t*>(rows[0]);
+      k_stride = a.k_stride[2];
+      for (int j = 0; j < n; ++j) {
+        amx::prefetch_successor(rows[j], j, k_next.rows, k_next.offset, Dp);
+      }
+    } else {
+      amx::copy_keys(rows, n, Dp, Dq, k_next.rows, k_next.offset, s);
+    }
+    load(vh, a.v_stride);
+    if (!amx::pair_values(rows, n, Dp, v_next.rows, v_next.offset, s)) {
+      return false;
+    }
+    for (int g = 0; g < groups; ++g) {
+      const int first = g * amx::kRows;
+      const bool whole = group_keys[g].lo <= t && t + n <= group_keys[g].hi;
+      __m512 m = _mm512_loadu_ps(st.m + first), l = _mm512_loadu_ps(st.l + first);
+      amx::scores(s, keys, k_stride, g, Dq, split16, s.s);
+      const __m512 alpha = amx::softmax(
+          s.s, t, n, a.scale, _mm512_loadu_si512(lo.data() + first), _mm512_loadu_si512(hi.data() + first), whole,
+          m, l);
+      _mm512_storeu_ps(st.m + first, m);
+      _mm512_storeu_ps(st.l + first, l);
+      amx::transpose_weights(s.s, s);
+      amx::accumulate(s, Dp, split16, st.acc + static_cast<int64_t>(first) * Dp, alpha);
+    }
+    ++blocks;
+    return true;
+  }
+};
+#endif
+
 template <typename T, int D>
 void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Chunk* next) {
   const int b = c.b, h = c.h, t0 = c.t0, t1 = c.t1;
@@ -208,7 +324,8 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
   uint32_t* masks = s.masks.data();
 
   load_queries<T, D>(a, b, h, s);
-  for (int r = 0; r < R; ++r) {
+  // The allocated rows past R too: the AMX path computes on whole groups of 16.
+  for (int r = 0; r < PartialState::rows(R); ++r) {
     st.m[r] = kNegInf;
     st.l[r] = 0.0f;
     std::fill_n(st.acc + r * Dp, Dp, 0.0f);
@@ -222,6 +339,14 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
   const T* vh = static_cast<const T*>(a.values) + b * a.v_stride[0] + h * a.v_stride[1];
   T* block = s.block.data();
   const T* rows[kBlock];
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  AmxItem<T> tiles;
+  if constexpr (kAmx<T>) {
+    if (R >= kAmxMinRows<T>) {
+      tiles.begin(a, b, h, Dp, s.ranges.data());
+    }
+  }
+#endif
   // The first block's values are requested while its keys are scored, in case
   // no previous chunk requested them.
   if (!gathered<D>(a.v_stride)) {
@@ -234,6 +359,15 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     const Lookahead k_next = successor_rows<D>(a.k_stride, c, t, n, next);
     const Lookahead v_next = successor_rows<D>(a.v_stride, c, t, n, next);
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if constexpr (kAmx<T>) {
+      if (tiles.block(a, kh, vh, t, n, k_next, v_next, rows, st, [&](const T* head, const int64_t* stride) {
+            load_block<T, D>(a, head, stride, t, n, block, rows);
+          })) {
+        continue;
+      }
+    }
+#endif
     // Each key row is read once and scored against all R query rows, two at a
     // time (four with the bfloat16 dot product).
     load_block<T, D>(a, kh, a.k_stride, t, n, block, rows);
@@ -288,6 +422,11 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
                                    r == 0 ? v_next : Lookahead{});
     });
   }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  if constexpr (kAmx<T>) {
+    tiles.end();
+  }
+#endif
 }
 
 template <typename T, int D>

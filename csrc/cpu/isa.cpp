@@ -3,6 +3,11 @@
 #include <atomic>
 #include <stdexcept>
 
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "cpu/kernel_table.h"
 
 namespace mlx_batched_decode::cpu {
@@ -11,8 +16,8 @@ namespace {
 
 // Variants from worst to best; a variant is available when it was compiled
 // in (MBD_HAS_<ISA>) and the CPU (and OS, for AVX-512 state) supports it.
-enum class Isa { baseline, avx2, avx512bf16 };
-constexpr Isa kIsas[] = {Isa::baseline, Isa::avx2, Isa::avx512bf16};
+enum class Isa { baseline, avx2, avx512bf16, amx };
+constexpr Isa kIsas[] = {Isa::baseline, Isa::avx2, Isa::avx512bf16, Isa::amx};
 
 const char* isa_name(Isa isa) {
   switch (isa) {
@@ -20,9 +25,23 @@ const char* isa_name(Isa isa) {
       return "avx2";
     case Isa::avx512bf16:
       return "avx512bf16";
+    case Isa::amx:
+      return "amx";
     default:
       return "baseline";
   }
+}
+
+// Linux hands out AMX tile state only to processes that ask for it, once;
+// the grant covers every thread of the process.
+bool amx_permitted() {
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+#else
+  return false;
+#endif
 }
 
 bool supported(Isa isa) {
@@ -43,6 +62,13 @@ bool supported(Isa isa) {
 #if defined(MBD_HAS_AVX512BF16) && (defined(__x86_64__) || defined(_M_X64))
       return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
+#else
+      return false;
+#endif
+    case Isa::amx:
+#if defined(MBD_HAS_AMX) && (defined(__x86_64__) || defined(_M_X64))
+      return supported(Isa::avx512bf16) && __builtin_cpu_supports("amx-tile") &&
+          __builtin_cpu_supports("amx-bf16") && amx_permitted();
 #else
       return false;
 #endif
@@ -94,6 +120,11 @@ void set_isa(const std::string& name) {
 
 KernelFns kernel_fns(Dtype dtype, int head_dim) {
   switch (selected().load()) {
+#if defined(MBD_HAS_AMX)
+    case Isa::amx:
+      // float32 keeps the AVX2 kernel: its bytes, not its arithmetic, bound it.
+      return dtype == Dtype::float32 ? avx2::kernel_fns(dtype, head_dim) : amx::kernel_fns(dtype, head_dim);
+#endif
 #if defined(MBD_HAS_AVX512BF16)
     case Isa::avx512bf16:
       // Only bfloat16 has code of its own there; the AVX-512 build of the

@@ -16,5 +16,8 @@ KernelFns kernel_fns(Dtype dtype, int head_dim);
 namespace avx512bf16 {
 KernelFns kernel_fns(Dtype dtype, int head_dim);
 }
+namespace amx {
+KernelFns kernel_fns(Dtype dtype, int head_dim);
+}
 
 } // namespace mlx_batched_decode::cpu

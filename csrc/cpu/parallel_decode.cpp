@@ -24,6 +24,7 @@ constexpr int kChunk = 512;
 constexpr int64_t kMinParallelElements = int64_t{1} << 17;
 
 std::atomic<uint64_t> g_calls{0};
+std::atomic<uint64_t> g_tile_blocks{0};
 
 int cpu_count() {
 #if defined(__linux__)
@@ -55,7 +56,7 @@ struct Call {
   KernelFns fns;
   std::vector<Item> items;
   std::vector<int64_t> parts_begin; // [pairs + 1], prefix sum of chunk counts
-  std::vector<float> parts; // partial states, PartialState::size(G, D) each
+  std::vector<float> parts; // partial states, PartialState::size(rows, Dp) each
   std::unique_ptr<std::atomic<int>[]> remaining; // chunks left per pair
   std::atomic<int> next{0};
   std::atomic<int> done{0};
@@ -135,6 +136,14 @@ int max_threads() {
 
 uint64_t kernel_calls() {
   return g_calls.load();
+}
+
+uint64_t tile_blocks() {
+  return g_tile_blocks.load();
+}
+
+void count_tile_blocks(uint64_t n) {
+  g_tile_blocks.fetch_add(n, std::memory_order_relaxed);
 }
 
 void run_decode(const DecodeArgs& args) {

@@ -16,6 +16,11 @@ void run_decode(const DecodeArgs& args);
 // Number of run_decode calls so far: lets tests prove the fused kernel ran.
 uint64_t kernel_calls();
 
+// Blocks of keys computed on AMX tiles so far, and how the kernel adds to it
+// (once per work item): lets tests prove the tile path ran.
+uint64_t tile_blocks();
+void count_tile_blocks(uint64_t n);
+
 // Threads that serve one call: the pool's plus the caller.
 int max_threads();
 
