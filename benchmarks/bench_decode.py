@@ -43,7 +43,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-import mlx_batched_decode.decoder as decoder_module
+import mlx_batched_decode.served_model as served_model_module
 from mlx_batched_decode import BatchedDecoder, _ext
 from mlx_batched_decode.progress import ProgressBar
 from mlx_batched_decode.random_model import random_model
@@ -87,12 +87,12 @@ class Requests:
     def loaded_by_decoder(self):
         """While active, ``BatchedDecoder.add_request`` loads these caches instead of prefilling
         (it prefills ``prompt[:-1]``, the context)."""
-        original = decoder_module.prefill
-        decoder_module.prefill = lambda model, tokens, step_size: self.kv(self._index[tuple(tokens)])
+        original = served_model_module.prefill
+        served_model_module.prefill = lambda model, tokens, step_size: self.kv(self._index[tuple(tokens)])
         try:
             yield
         finally:
-            decoder_module.prefill = original
+            served_model_module.prefill = original
 
 
 def run_ours(model, requests, batch, max_tokens, path, stream=sys.stderr):

@@ -216,16 +216,27 @@ def test_attention_routing_is_scoped(models):
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
 
 
-def test_unsupported_models_and_arguments(models):
-    sliding = dict(
-        FAMILIES["llama"], layer_types=["sliding_attention", "full_attention"], sliding_window=8
-    )
-    with pytest.raises(ValueError, match="full-attention KVCache"):
-        BatchedDecoder(random_model(sliding))
+def test_unsupported_models_and_arguments(models, monkeypatch):
+    from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache
+
+    model = models["llama"]
+    layers = FAMILIES["llama"]["num_hidden_layers"]
+    unsupported = {
+        "ArraysCache": lambda: ArraysCache(2),
+        "QuantizedKVCache": QuantizedKVCache,
+        "keeps its first 4 tokens": lambda: RotatingKVCache(max_size=8, keep=4),
+    }
+    for name, make in unsupported.items():
+        monkeypatch.setattr(
+            model, "make_cache", lambda: [make() for _ in range(layers)], raising=False
+        )
+        with pytest.raises(ValueError, match=rf"^\[BatchedDecoder\] layer 0 .*{name}"):
+            BatchedDecoder(model)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match=r"^\[BatchedDecoder\]"):
-        BatchedDecoder(models["llama"], attention="paged")
+        BatchedDecoder(model, attention="paged")
     with pytest.raises(ValueError, match=r"^\[BatchedDecoder\]"):
-        BatchedDecoder(models["llama"]).add_request([], 4)
+        BatchedDecoder(model).add_request([], 4)
 
 
 def test_decode_step_of_a_model_copies_no_cache_buffer(models):

@@ -3,9 +3,9 @@
 Each request is prefilled on its own (all but its last prompt token), then joins the running
 batch; every decode step runs the model once over all active requests with one
 ``BatchedDecodeContext`` shared by all layers. A request leaves when it reaches its
-``max_tokens`` or samples a stop token; the zero-copy path then moves the last row's slot into
-the freed one, so the active requests always fill slots ``0..B-1`` and the next request reuses
-the free slot.
+``max_tokens`` or samples a stop token; the last row's request then moves into the freed row
+(slot), so the active requests always fill rows ``0..B-1`` and the next request reuses the free
+one.
 
 Dimension legend: B = requests in the step, V = vocabulary size.
 """
@@ -20,18 +20,10 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import DecodeAttention, SeedAttention, SlotAttention
-from .context import BatchedDecodeContext
-from .kv_cache import ContiguousKVCache, SlotKVCache
-from .mlx_lm_adapter import (
-    StepLayerCache,
-    mlx_lm_attention_modules,
-    prefill,
-    prompt_caches,
-    route_attention,
-)
+from .kv_cache import SlotKVCache
 from .progress import ProgressBar
 from .sampling import Sampler
+from .served_model import ServedModel
 
 
 class StepResult(NamedTuple):
@@ -65,18 +57,22 @@ class _Request:
     seq_len: int
     next_token: int
     tokens: list[int] = field(default_factory=list)
-    seed_caches: Optional[list[ContiguousKVCache]] = None
 
 
 class BatchedDecoder:
-    """Batched decoding of an mlx-lm model (Llama, Qwen2, Qwen3, Mistral, ...), its code unchanged.
+    """Batched decoding of an mlx-lm model (Llama, Qwen2, Qwen3, Mistral, Ministral 3, Gemma 3,
+    gpt-oss, ...), its code unchanged.
 
     Args:
-        model: an mlx-lm ``Model`` whose layers all use a full-attention ``KVCache``.
+        model: an mlx-lm ``Model`` whose layers use ``KVCache`` (full attention) or
+            ``RotatingKVCache`` (sliding window) and call mlx-lm's ``scaled_dot_product_attention``
+            (attention sinks and any head dim are served).
         attention: ``"slot"`` (default: ``SlotKVCache`` + ``batched_decode_attention``, zero
             copy) or ``"seed"`` (per-request ``ContiguousKVCache``, pad, concatenate, masked SDPA).
         kv_step: the caches grow in chunks of this many positions.
         prefill_step_size: prompt tokens per prefill forward pass.
+
+    Raises ``ValueError`` (``[BatchedDecoder] ...``) for a model it cannot serve, naming why.
     """
 
     def __init__(
@@ -95,15 +91,7 @@ class BatchedDecoder:
         self.attention_path = attention
         self.kv_step = kv_step
         self.prefill_step_size = prefill_step_size
-        self._attention: DecodeAttention = (
-            SlotAttention() if attention == "slot" else SeedAttention()
-        )
-        self._num_layers = len(model.layers)
-        self._routed_modules = mlx_lm_attention_modules(model)
-        prompt_caches(model)
-        self._slot_caches = (
-            [SlotKVCache(kv_step) for _ in range(self._num_layers)] if attention == "slot" else None
-        )
+        self._target = ServedModel(model, attention, kv_step, prefill_step_size)
         self._active: list[_Request] = []
         self._next_uid = 0
         self.stats = DecodeStats()
@@ -116,7 +104,7 @@ class BatchedDecoder:
     @property
     def slot_caches(self) -> Optional[list[SlotKVCache]]:
         """The per-layer slot caches of the zero-copy path (``None`` on the seed path)."""
-        return self._slot_caches
+        return self._target.slot_caches
 
     def add_request(
         self, prompt: Sequence[int], max_tokens: int, *, stop_tokens: Iterable[int] = ()
@@ -139,36 +127,11 @@ class BatchedDecoder:
         )
         self._next_uid += 1
         start = time.perf_counter()
-        layers_kv = (
-            prefill(self.model, prompt[:-1], self.prefill_step_size) if len(prompt) > 1 else None
-        )
-        if self._slot_caches is not None:
-            if layers_kv is not None:
-                row = len(self._active)
-                for cache, (keys, values) in zip(self._slot_caches, layers_kv):
-                    cache.write_prompt(row, keys, values)
-        else:
-            request.seed_caches = [ContiguousKVCache(self.kv_step) for _ in range(self._num_layers)]
-            if layers_kv is not None:
-                for cache, (keys, values) in zip(request.seed_caches, layers_kv):
-                    cache.update_and_fetch(keys, values)
-        # Evaluate the copies now: prefill time stays out of the next step's time.
-        mx.eval(
-            [
-                (c.keys, c.values)
-                for c in self._slot_caches or request.seed_caches
-                if c.keys is not None
-            ]
-        )
+        self._target.admit(len(self._active), prompt[:-1])
         self._active.append(request)
         self.stats.prompt_tokens += len(prompt) - 1
         self.stats.prefill_seconds += time.perf_counter() - start
         return request.uid
-
-    def _layer_caches(self) -> list:
-        if self._slot_caches is not None:
-            return self._slot_caches
-        return [[r.seed_caches[layer] for r in self._active] for layer in range(self._num_layers)]
 
     def step(self, sampler: Optional[Sampler] = None) -> StepResult:
         """One decode step: one token for every active request, greedy unless ``sampler`` says
@@ -177,15 +140,8 @@ class BatchedDecoder:
             raise ValueError("[BatchedDecoder] step() needs at least one active request")
         sampler = sampler or Sampler()
         start = time.perf_counter()
-        context = BatchedDecodeContext(
-            len(self._active), [r.seq_len for r in self._active], self._layer_caches()
-        )
-        step_caches = [
-            StepLayerCache(self._attention, context, layer) for layer in range(self._num_layers)
-        ]
         inputs = mx.array([[r.next_token] for r in self._active], dtype=mx.int32)
-        with route_attention(self._routed_modules):
-            logits = self.model(inputs, cache=step_caches)[:, -1, :]
+        logits = self._target.forward(inputs, [r.seq_len for r in self._active])[:, -1, :]
         sampled = sampler(logits)
         mx.eval(sampled)
         emitted: dict[int, int] = {}
@@ -210,10 +166,7 @@ class BatchedDecoder:
 
     def _remove(self, row: int) -> None:
         last = len(self._active) - 1
-        if row != last and self._slot_caches is not None:
-            # Keep the batch dense: the last request moves into the freed slot.
-            for cache in self._slot_caches:
-                cache.move(last, row, self._active[last].seq_len)
+        self._target.release(row, last, self._active[last].seq_len)
         self._active[row] = self._active[last]
         self._active.pop()
 
