@@ -143,8 +143,8 @@ def test_requests_join_mid_decode_and_reuse_slots(models, references):
         if decoder.num_active == 0:
             break
         result = decoder.step()
-        for uid, token in result.tokens.items():
-            produced.setdefault(uids[uid], []).append(token)
+        for uid, tokens in result.tokens.items():
+            produced.setdefault(uids[uid], []).extend(tokens)
     assert [produced[i] for i in range(5)] == expected
     # Never more than 4 requests at once: freed slots were reused, not appended.
     assert decoder.slot_caches[0].slots == 4

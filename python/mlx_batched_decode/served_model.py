@@ -4,6 +4,8 @@ A ``ServedModel`` holds what decoding one model needs besides the scheduler: the
 whose attention is routed, each layer's window (from mlx-lm's own caches), and the keys/values
 of every active request, one row per request in the scheduler's order: one ``SlotKVCache`` per
 layer on the zero-copy path, or one ``ContiguousKVCache`` per request and layer on the seed path.
+``BatchedDecoder`` serves its target model, and its draft model when it decodes speculatively,
+each through one of these.
 
 Dimension legend: B = requests in the step, L = new tokens per request in the step,
 V = vocabulary size.
@@ -46,6 +48,11 @@ class ServedModel:
         )
         # Seed path: seed_rows[b][layer] is request b's own cache of that layer.
         self.seed_rows: list[list[ContiguousKVCache]] = []
+
+    def vocab_size(self) -> int:
+        """V, the logits one token gets: measured with one token through mlx-lm's own caches."""
+        logits = self.model(mx.zeros((1, 1), dtype=mx.int32), cache=prompt_caches(self.model))
+        return logits.shape[-1]
 
     def admit(self, row: int, prompt: Sequence[int]) -> None:
         """Prefill ``prompt`` (token ids, may be empty) into row ``row``, the next free one."""
@@ -93,3 +100,12 @@ class ServedModel:
         ]
         with route_attention(self.routed_modules):
             return self.model(tokens, cache=step_caches)
+
+    def cache_arrays(self) -> list[mx.array]:
+        """Every K/V buffer of the active requests: evaluating them runs pending writes of a
+        step whose output is never read."""
+        if self.slot_caches is not None:
+            caches = self.slot_caches
+        else:
+            caches = [c for row in self.seed_rows for c in row]
+        return [a for c in caches if c.keys is not None for a in (c.keys, c.values)]
