@@ -28,9 +28,24 @@ its batch cache). Every request's tokens are compared across the three paths. ml
 ``batch_generate(..., prompt_caches=..., completion_batch_size=B, prefill_batch_size=B)`` does,
 so all B requests decode together as in the other paths.
 
+With ``--speculative`` it compares ``BatchedDecoder`` without and with a draft model instead
+(``results/decode_speculative.json``): tokens/s and the draft's acceptance rate for each
+``--num-draft-tokens`` k. The draft is the target's first ``--draft-layers`` layers, sharing its
+embeddings, final norm and head. In a random-weight target every layer moves the argmax, so such
+a draft would almost never agree with it (1-3% of drafts accepted); the target's later layers
+therefore have their output projections (attention ``o_proj``, MLP ``down_proj``) scaled by
+``--tail-scale``, which sets how often the draft agrees (1.0: the target as built). The acceptance
+rate is thus a chosen property of this synthetic pair, not a prediction for real models; what the
+run measures is the cost of a round (k + 1 draft steps and one target pass of k + 1 tokens per
+request) against the tokens it yields.
+Both runs in a mode decode the same (scaled) target from the same state, so their greedy tokens
+must agree token for token.
+
     python benchmarks/bench_decode.py            # B in {1, 8, 32}, contexts 256-4096 (minutes)
     python benchmarks/bench_decode.py --quick    # B in {1, 8}, contexts 256-1024, 4 tokens
     python benchmarks/bench_decode.py --batch-sizes 8 --contexts 512 2048   # one chosen case
+    python benchmarks/bench_decode.py --speculative   # B in {1, 8}, contexts 256-1024, 16 tokens,
+                                                      # k in {2, 4}, 1-layer draft, tail scale 0.05
 """
 
 import argparse
@@ -42,8 +57,9 @@ import time
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
-import mlx_batched_decode.decoder as decoder_module
+import mlx_batched_decode.served_model as served_model_module
 from mlx_batched_decode import BatchedDecoder, _ext
 from mlx_batched_decode.progress import ProgressBar
 from mlx_batched_decode.random_model import random_model
@@ -87,32 +103,38 @@ class Requests:
     def loaded_by_decoder(self):
         """While active, ``BatchedDecoder.add_request`` loads these caches instead of prefilling
         (it prefills ``prompt[:-1]``, the context)."""
-        original = decoder_module.prefill
-        decoder_module.prefill = lambda model, tokens, step_size: self.kv(self._index[tuple(tokens)])
+        original = served_model_module.prefill
+        # A draft with fewer layers gets the first of them (it shares the target's first layers).
+        served_model_module.prefill = lambda model, tokens, step_size: self.kv(self._index[tuple(tokens)])[
+            : len(model.layers)
+        ]
         try:
             yield
         finally:
-            decoder_module.prefill = original
+            served_model_module.prefill = original
 
 
-def run_ours(model, requests, batch, max_tokens, path, stream=sys.stderr):
-    """(tokens per request, seconds of each step) of ``BatchedDecoder`` on the first ``batch``."""
-    decoder = BatchedDecoder(model, attention=path)
+def run_ours(model, requests, batch, max_tokens, path, stream=sys.stderr, draft=None, num_draft_tokens=2):
+    """(tokens per request, seconds of each step, tokens of each step, DecodeStats) of
+    ``BatchedDecoder`` on the first ``batch`` requests, speculative with ``draft``."""
+    decoder = BatchedDecoder(model, attention=path, draft_model=draft, num_draft_tokens=num_draft_tokens)
     with requests.loaded_by_decoder():
         uids = [decoder.add_request(p, max_tokens) for p in requests.prompts[:batch]]
-    bar = ProgressBar(batch * max_tokens, f"tokens, B={batch} {path}", stream=stream)
+    name = path if draft is None else f"{path}, draft k={num_draft_tokens}"
+    bar = ProgressBar(batch * max_tokens, f"tokens, B={batch} {name}", stream=stream)
     tokens = {uid: [] for uid in uids}
-    times = []
+    times, counts = [], []
     while decoder.num_active:
         start = time.perf_counter()
         result = decoder.step()
         times.append(time.perf_counter() - start)
-        for uid, token in result.tokens.items():
-            tokens[uid].append(token)
-        bar.update(len(result.tokens))
+        for uid, emitted in result.tokens.items():
+            tokens[uid] += emitted
+        counts.append(sum(len(t) for t in result.tokens.values()))
+        bar.update(counts[-1])
     bar.close()
     assert decoder.stats.generated_tokens == batch * max_tokens
-    return [tokens[uid] for uid in uids], times
+    return [tokens[uid] for uid in uids], times, counts, decoder.stats
 
 
 def run_mlx_lm(model, requests, batch, max_tokens, stream=sys.stderr):
@@ -132,7 +154,7 @@ def run_mlx_lm(model, requests, batch, max_tokens, stream=sys.stderr):
     del caches
     bar = ProgressBar(batch * max_tokens, f"tokens, B={batch} mlx-lm", stream=stream)
     tokens = {uid: [] for uid in uids}
-    times = []
+    times, counts = [], []
     while True:
         start = time.perf_counter()
         responses = gen.next_generated()
@@ -141,10 +163,32 @@ def run_mlx_lm(model, requests, batch, max_tokens, stream=sys.stderr):
         times.append(time.perf_counter() - start)
         for r in responses:
             tokens[r.uid].append(r.token)
+        counts.append(len(responses))
         bar.update(len(responses))
     gen.close()
     bar.close()
-    return [tokens[uid] for uid in uids], times
+    return [tokens[uid] for uid in uids], times, counts, None
+
+
+def table_rows(runs, batch, lengths):
+    """One row per run; ``runs``: path -> (tokens, step seconds, step token counts, stats)."""
+    expected = runs["slot"][0]
+    rows = []
+    for path, (tokens, times, counts, stats) in runs.items():
+        generated = sum(len(t) for t in tokens)
+        steady = sum(times[1:])
+        rows.append(
+            {
+                "B": batch, "path": path, "contexts": f"{min(lengths)}-{max(lengths)}",
+                "context_tokens": sum(lengths), "generated": generated, "steps": len(times),
+                "decode_s": sum(times), "first_step_s": times[0],
+                "tok_s": generated / sum(times),
+                "steady_tok_s": (generated - counts[0]) / steady if steady > 0 else None,
+                "acceptance": stats.acceptance_rate if stats and stats.draft_tokens else None,
+                "same_as_slot": sum(t == e for t, e in zip(tokens, expected)),
+            }
+        )
+    return rows
 
 
 def bench_batch(model, requests, batch, max_tokens):
@@ -157,55 +201,84 @@ def bench_batch(model, requests, batch, max_tokens):
             runs[path] = run_ours(model, requests, batch, max_tokens, path)
         gc.collect()
         mx.clear_cache()
-    expected = runs["slot"][0]
-    rows = []
-    for path, (tokens, times) in runs.items():
-        generated = sum(len(t) for t in tokens)
-        steady = sum(times[1:])
-        rows.append(
-            {
-                "B": batch, "path": path, "contexts": f"{min(lengths)}-{max(lengths)}",
-                "context_tokens": sum(lengths), "generated": generated, "steps": len(times),
-                "decode_s": sum(times), "first_step_s": times[0],
-                "tok_s": generated / sum(times),
-                "steady_tok_s": (generated - batch) / steady if steady > 0 else None,
-                "same_as_slot": sum(t == e for t, e in zip(tokens, expected)),
-            }
-        )
+    rows = table_rows(runs, batch, lengths)
     for row in rows:
         row["slot_speedup"] = rows[0]["steady_tok_s"] / row["steady_tok_s"] if row["steady_tok_s"] else None
-    return rows, {path: tokens for path, (tokens, _) in runs.items()}
+    return rows, {path: run[0] for path, run in runs.items()}
+
+
+def speculative_pair(seed, draft_layers, tail_scale):
+    """The target (``CONFIG``, layers after the first ``draft_layers`` with their output
+    projections scaled by ``tail_scale``) and a draft made of its first ``draft_layers`` layers."""
+    target = random_model(CONFIG, seed=seed)
+    for layer in target.layers[draft_layers:]:
+        layer.self_attn.o_proj.weight *= tail_scale
+        layer.mlp.down_proj.weight *= tail_scale
+    mx.eval(target.parameters())
+    draft = random_model(dict(CONFIG, num_hidden_layers=draft_layers), seed=seed)
+    shared = dict(tree_flatten(target.parameters()))
+    draft.load_weights([(name, shared[name]) for name, _ in tree_flatten(draft.parameters())])
+    mx.eval(draft.parameters())
+    return target, draft
+
+
+def bench_speculative(target, draft, requests, batch, max_tokens, draft_counts):
+    """``BatchedDecoder`` on the first ``batch`` requests without a draft, then with ``draft``
+    proposing k tokens per round for each k in ``draft_counts``."""
+    lengths = [len(p) - 1 for p in requests.prompts[:batch]]
+    runs = {"slot": run_ours(target, requests, batch, max_tokens, "slot")}
+    for k in draft_counts:
+        gc.collect()
+        mx.clear_cache()
+        runs[f"draft k={k}"] = run_ours(
+            target, requests, batch, max_tokens, "slot", draft=draft, num_draft_tokens=k
+        )
+    rows = table_rows(runs, batch, lengths)
+    for row in rows:
+        row["speedup"] = row["steady_tok_s"] / rows[0]["steady_tok_s"] if row["steady_tok_s"] else None
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="B in {1, 8}, contexts 256-1024, 4 tokens")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", help="default 1 8 32 (quick 1 8)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", help="default 1 8 32 (quick, speculative 1 8)")
     parser.add_argument(
         "--contexts", type=int, nargs=2, metavar=("LOW", "HIGH"),
-        help="context length range (default 256 4096, quick 256 1024)",
+        help="context length range (default 256 4096, quick and speculative 256 1024)",
     )
-    parser.add_argument("--max-tokens", type=int, help="tokens per request (default 8, quick 4)")
+    parser.add_argument("--max-tokens", type=int, help="tokens per request (default 8, quick 4, speculative 16)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, contexts and caches")
-    parser.add_argument("--output", default="decode", help="results/<name>.json")
+    parser.add_argument("--output", help="results/<name>.json (default decode, speculative decode_speculative)")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative", action="store_true", help="compare decoding without and with a draft model")
+    spec.add_argument("--num-draft-tokens", type=int, nargs="+", default=[2, 4], help="k values (default 2 4)")
+    spec.add_argument("--draft-layers", type=int, default=1, help="the draft's layers (default 1)")
+    spec.add_argument(
+        "--tail-scale", type=float, default=0.05,
+        help="scale of the target's output projections after the draft's layers (default 0.05)",
+    )
     args = parser.parse_args()
 
     mx.set_default_device(mx.cpu)
-    batches = args.batch_sizes or ((1, 8) if args.quick else (1, 8, 32))
-    low, high = args.contexts or ((256, 1024) if args.quick else (256, 4096))
-    max_tokens = args.max_tokens or (4 if args.quick else 8)
+    short = args.quick or args.speculative
+    batches = args.batch_sizes or ((1, 8) if short else (1, 8, 32))
+    low, high = args.contexts or ((256, 1024) if short else (256, 4096))
+    max_tokens = args.max_tokens or (16 if args.speculative else 4 if args.quick else 8)
     info = machine() | {"cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads()}
     print(f"{info['cpu']}, {info['cores']} cores, kernel {info['cpu_isa']}")
     print(f"model: {CONFIG}, float32, random weights (seed {args.seed})")
 
-    model = random_model(CONFIG, seed=args.seed)
     # The B=b batch is the first b requests, so all batches share one set of contexts.
     lengths = np.random.default_rng(args.seed).integers(low, high + 1, size=max(batches))
     requests = Requests([int(n) for n in lengths], seed=args.seed)
     print(f"contexts {low}-{high} tokens, {max_tokens} new tokens per request, greedy")
-
-    # Warm-up: the first call of each path pays one-time costs kept out of the table.
     warm = Requests([300, 17], seed=args.seed + 1)
+    if args.speculative:
+        return main_speculative(args, info, batches, (low, high), max_tokens, requests, warm)
+
+    model = random_model(CONFIG, seed=args.seed)
+    # Warm-up: the first call of each path pays one-time costs kept out of the table.
     for path in ("slot", "seed"):
         run_ours(model, warm, 2, 2, path, stream=io.StringIO())
     run_mlx_lm(model, warm, 2, 2, stream=io.StringIO())
@@ -232,7 +305,7 @@ def main():
     )
     mismatched = [(r["B"], r["path"]) for r in rows if r["same_as_slot"] != r["B"]]
     path = save(
-        args.output,
+        args.output or "decode",
         {
             "machine": info, "config": CONFIG, "dtype": "float32", "max_tokens": max_tokens,
             "context_range": [low, high], "rows": rows, "mismatched": mismatched,
@@ -243,6 +316,55 @@ def main():
         print(f"FAILED: greedy tokens differ from the slot path for {mismatched}", file=sys.stderr)
         return 1
     print("OK: every request's greedy tokens are identical across the three paths")
+    return 0
+
+
+def main_speculative(args, info, batches, context_range, max_tokens, requests, warm):
+    target, draft = speculative_pair(args.seed, args.draft_layers, args.tail_scale)
+    print(
+        f"speculative: draft = the target's first {args.draft_layers} layer(s); the target's later "
+        f"layers' output projections scaled by {args.tail_scale}; k in {args.num_draft_tokens}"
+    )
+    # Warm-up: the first call of each path pays one-time costs kept out of the table.
+    run_ours(target, warm, 2, 4, "slot", stream=io.StringIO())
+    for k in args.num_draft_tokens:
+        run_ours(target, warm, 2, 4, "slot", stream=io.StringIO(), draft=draft, num_draft_tokens=k)
+
+    rows = []
+    for batch in batches:
+        batch_rows = bench_speculative(target, draft, requests, batch, max_tokens, args.num_draft_tokens)
+        rows += batch_rows
+        print(
+            f"B={batch}: " + ", ".join(f"{r['path']} {r['steady_tok_s']:.1f} tok/s" for r in batch_rows),
+            flush=True,
+        )
+
+    print("\nDecode only (contexts loaded, not prefilled); a step is a round with a draft; steady = steps 2..:")
+    print_table(
+        rows,
+        [
+            ("B", "B", "{}"), ("path", "path", "{}"), ("contexts", "contexts", "{}"),
+            ("generated", "tokens", "{}"), ("steps", "steps", "{}"), ("decode_s", "decode s", "{:.2f}"),
+            ("acceptance", "accepted", "{:.0%}"), ("tok_s", "tok/s", "{:.1f}"),
+            ("steady_tok_s", "steady tok/s", "{:.1f}"), ("speedup", "vs no draft", "{:.2f}x"),
+            ("same_as_slot", "= no draft", "{}"),
+        ],
+    )
+    mismatched = [(r["B"], r["path"]) for r in rows if r["same_as_slot"] != r["B"]]
+    path = save(
+        args.output or "decode_speculative",
+        {
+            "machine": info, "config": CONFIG, "dtype": "float32", "max_tokens": max_tokens,
+            "context_range": list(context_range), "draft_layers": args.draft_layers,
+            "tail_scale": args.tail_scale, "num_draft_tokens": args.num_draft_tokens,
+            "rows": rows, "mismatched": mismatched,
+        },
+    )
+    print(f"\nsaved {path}")
+    if mismatched:
+        print(f"FAILED: greedy tokens differ from decoding without a draft for {mismatched}", file=sys.stderr)
+        return 1
+    print("OK: every request's greedy tokens are identical with and without the draft")
     return 0
 
 

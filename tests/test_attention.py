@@ -100,7 +100,7 @@ def test_slot_path_calls_the_primitive(monkeypatch):
 def test_seed_mask_only_when_lengths_differ():
     """With equal lengths the seed path attends without a mask and still matches the reference."""
     ctx = BatchedDecodeContext(2, [0, 0], [[ContiguousKVCache(), ContiguousKVCache()]])
-    assert ctx.positions is None
+    assert not ctx.needs_padding
     queries = mx.random.normal((2, 4, 1, 64))
     keys, values = mx.random.normal((2, 2, 1, 64)), mx.random.normal((2, 2, 1, 64))
     out = SeedAttention()(ctx, 0, queries, keys, values)
@@ -114,3 +114,41 @@ def test_wrong_cache_kind_is_rejected():
         SlotAttention()(BatchedDecodeContext(2, [1, 1], [[ContiguousKVCache()] * 2]), 0, x, x, x)
     with pytest.raises(TypeError, match=r"^\[SeedAttention\]"):
         SeedAttention()(BatchedDecodeContext(2, [1, 1], [SlotKVCache()]), 0, x, x, x)
+
+
+@pytest.mark.parametrize("path", ["slot", "seed"])
+@pytest.mark.parametrize(
+    "query_len, window, with_sinks", [(1, 4, False), (3, None, True), (4, 5, True)]
+)
+def test_several_rows_windows_and_sinks(path, query_len, window, with_sinks):
+    """L new tokens per request over a window, with sinks, written over stale (rejected) tokens:
+    each request matches SDPA with the causal window mask on its own unpadded keys."""
+    mx.random.seed(1)
+    dim, heads_q, heads_kv, seq_lens = 32, 4, 2, [0, 3, 11, 6]
+    batch = len(seq_lens)
+    stale = 2  # positions past each seq_len already hold tokens that must be overwritten
+    full = [_prompt(heads_kv, n + stale, dim, mx.float32) for n in seq_lens]
+    if path == "slot":
+        attention, cache = SlotAttention(), SlotKVCache(step=8)
+        for b, (keys, values) in enumerate(full):
+            cache.write_prompt(b, keys, values)
+    else:
+        attention, cache = SeedAttention(), [ContiguousKVCache(step=8) for _ in seq_lens]
+        for c, (keys, values) in zip(cache, full):
+            c.update_and_fetch(keys, values)
+    ctx = BatchedDecodeContext(batch, seq_lens, [cache], query_len=query_len)
+    queries = mx.random.normal((batch, heads_q, query_len, dim))
+    new_keys = mx.random.normal((batch, heads_kv, query_len, dim))
+    new_values = mx.random.normal((batch, heads_kv, query_len, dim))
+    sinks = mx.random.normal((heads_q,)) if with_sinks else None
+    out = attention(ctx, 0, queries, new_keys, new_values, scale=0.3, window=window, sinks=sinks)
+    for b, n in enumerate(seq_lens):
+        keys = mx.concatenate([full[b][0][:, :, :n], new_keys[b : b + 1]], axis=2)
+        values = mx.concatenate([full[b][1][:, :, :n], new_values[b : b + 1]], axis=2)
+        rows = mx.arange(n, n + query_len)[:, None]
+        cols = mx.arange(n + query_len)[None]
+        visible = (cols <= rows) & ((cols > rows - window) if window else True)
+        expected = mx.fast.scaled_dot_product_attention(
+            queries[b : b + 1], keys, values, scale=0.3, mask=visible, sinks=sinks
+        )
+        assert mx.allclose(out[b : b + 1], expected, atol=2e-5).item(), b

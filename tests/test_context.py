@@ -17,13 +17,24 @@ def test_derived_fields_with_uneven_lengths():
     assert ctx.needs_padding is True
     assert ctx.pad_sizes == [14, 17, 0, 12]
     assert ctx.positions.tolist() == list(range(18))
-    assert ctx.rows.tolist() == [0, 1, 2, 3]
+    assert ctx.new_positions.dtype == mx.int32
+    assert ctx.new_positions.tolist() == [[3], [0], [17], [5]]
+    assert ctx.rows.tolist() == [[0], [1], [2], [3]]
+
+
+def test_several_new_tokens_per_request():
+    """L = 3 (a target verifying 2 draft tokens): each request's rows are its last 3 positions."""
+    ctx = BatchedDecodeContext(3, [4, 0, 9], layer_caches=[], query_len=3)
+    assert ctx.max_len == 12
+    assert ctx.valid_lens.tolist() == [7, 3, 12]
+    assert ctx.new_positions.tolist() == [[4, 5, 6], [0, 1, 2], [9, 10, 11]]
+    assert ctx.pad_sizes == [5, 9, 0]
+    assert ctx.positions.tolist() == list(range(12))
 
 
 def test_equal_lengths_need_no_padding():
     ctx = BatchedDecodeContext(3, [7, 7, 7], layer_caches=[])
     assert ctx.needs_padding is False
-    assert ctx.positions is None
     assert ctx.pad_sizes == [0, 0, 0]
     assert ctx.max_len == 8
     assert ctx.valid_lens.tolist() == [8, 8, 8]
@@ -31,13 +42,15 @@ def test_equal_lengths_need_no_padding():
 
 def test_single_request():
     ctx = BatchedDecodeContext(1, [0], layer_caches=[])
-    assert ctx.max_len == 1 and ctx.positions is None and ctx.valid_lens.tolist() == [1]
+    assert ctx.max_len == 1 and ctx.valid_lens.tolist() == [1]
 
 
-@pytest.mark.parametrize("batch_size, seq_lens", [(2, [1]), (0, []), (2, [1, -1])])
-def test_malformed_arguments(batch_size, seq_lens):
+@pytest.mark.parametrize(
+    "batch_size, seq_lens, query_len", [(2, [1], 1), (0, [], 1), (2, [1, -1], 1), (1, [3], 0)]
+)
+def test_malformed_arguments(batch_size, seq_lens, query_len):
     with pytest.raises(ValueError, match=r"^\[BatchedDecodeContext\]"):
-        BatchedDecodeContext(batch_size, seq_lens, layer_caches=[])
+        BatchedDecodeContext(batch_size, seq_lens, layer_caches=[], query_len=query_len)
 
 
 def test_every_layer_reads_the_same_arrays(monkeypatch):

@@ -143,8 +143,8 @@ def test_requests_join_mid_decode_and_reuse_slots(models, references):
         if decoder.num_active == 0:
             break
         result = decoder.step()
-        for uid, token in result.tokens.items():
-            produced.setdefault(uids[uid], []).append(token)
+        for uid, tokens in result.tokens.items():
+            produced.setdefault(uids[uid], []).extend(tokens)
     assert [produced[i] for i in range(5)] == expected
     # Never more than 4 requests at once: freed slots were reused, not appended.
     assert decoder.slot_caches[0].slots == 4
@@ -216,16 +216,27 @@ def test_attention_routing_is_scoped(models):
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
 
 
-def test_unsupported_models_and_arguments(models):
-    sliding = dict(
-        FAMILIES["llama"], layer_types=["sliding_attention", "full_attention"], sliding_window=8
-    )
-    with pytest.raises(ValueError, match="full-attention KVCache"):
-        BatchedDecoder(random_model(sliding))
+def test_unsupported_models_and_arguments(models, monkeypatch):
+    from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache
+
+    model = models["llama"]
+    layers = FAMILIES["llama"]["num_hidden_layers"]
+    unsupported = {
+        "ArraysCache": lambda: ArraysCache(2),
+        "QuantizedKVCache": QuantizedKVCache,
+        "keeps its first 4 tokens": lambda: RotatingKVCache(max_size=8, keep=4),
+    }
+    for name, make in unsupported.items():
+        monkeypatch.setattr(
+            model, "make_cache", lambda: [make() for _ in range(layers)], raising=False
+        )
+        with pytest.raises(ValueError, match=rf"^\[BatchedDecoder\] layer 0 .*{name}"):
+            BatchedDecoder(model)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match=r"^\[BatchedDecoder\]"):
-        BatchedDecoder(models["llama"], attention="paged")
+        BatchedDecoder(model, attention="paged")
     with pytest.raises(ValueError, match=r"^\[BatchedDecoder\]"):
-        BatchedDecoder(models["llama"]).add_request([], 4)
+        BatchedDecoder(model).add_request([], 4)
 
 
 def test_decode_step_of_a_model_copies_no_cache_buffer(models):

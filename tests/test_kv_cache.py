@@ -159,3 +159,30 @@ def test_decode_step_does_not_copy_whole_buffers():
     mx.eval(out)
     padded_batch = 2 * slots * heads * ctx.max_len * dim * 4
     assert mx.get_peak_memory() - base >= padded_batch
+
+
+def test_slot_update_writes_several_tokens_over_rejected_ones():
+    """L = 3 new tokens per request land at seq_lens[b] .. + 2, overwriting what was there."""
+    cache, history = _prefilled_slots([5, 2, 7], step=8)
+    seq_lens = [3, 2, 7]  # request 0 rolled back two rejected tokens
+    ctx = BatchedDecodeContext(3, seq_lens, [cache], query_len=3)
+    new_keys, new_values = _kv(3, 3)
+    keys, values = cache.update(new_keys, new_values, ctx)
+    assert keys.shape == (3, HEADS, 10, DIM) and cache.capacity == 16
+    for b, n in enumerate(seq_lens):
+        assert mx.array_equal(keys[b, :, :n], history[b][0][:, :n]).item()
+        assert mx.array_equal(keys[b, :, n : n + 3], new_keys[b]).item()
+        assert mx.array_equal(values[b, :, n : n + 3], new_values[b]).item()
+
+
+def test_contiguous_rewind_forgets_tokens():
+    cache = ContiguousKVCache(step=4)
+    keys, values = _kv(1, 6)
+    cache.update_and_fetch(keys, values)
+    cache.rewind(2)
+    more_keys, more_values = _kv(1, 3)
+    got_keys, _ = cache.update_and_fetch(more_keys, more_values)
+    assert cache.offset == 5
+    assert mx.array_equal(got_keys, mx.concatenate([keys[:, :, :2], more_keys], axis=2)).item()
+    with pytest.raises(ValueError, match=r"^\[ContiguousKVCache\]"):
+        cache.rewind(6)

@@ -1,8 +1,11 @@
 """Padded, masked, batched decode attention for MLX.
 
-``batched_decode_attention`` attends one new token per request over that
-request's own number of cached keys, in one fused kernel (C++ on the CPU, Metal
-on Apple GPUs), reading strided cache views in place.
+``batched_decode_attention`` attends the new tokens of each request (one, or
+several when a target model verifies draft tokens) over that request's own
+cached keys, within an optional sliding window and with optional attention
+sinks, in one fused kernel (C++ on the CPU, Metal on Apple GPUs), reading
+strided cache views in place. ``BatchedDecoder`` runs unchanged mlx-lm models
+through it with continuous batching and, given a draft model, speculatively.
 """
 
 import mlx.core  # noqa: F401  registers MLX's types before the extension loads
@@ -15,7 +18,8 @@ _ext.cpu_spin_us()
 
 __all__ = ["advise_huge_pages", "batched_decode_attention", "reference_attention"]
 
-# The decode layer (issue 4): per-step context, KV caches, attention paths, mlx-lm adapter.
+# The decode layer (issue 4): per-step context, KV caches, attention paths, mlx-lm adapter,
+# speculative decoding.
 # None of these imports mlx-lm at import time; it is needed only to run a BatchedDecoder.
 from .attention import DecodeAttention, SeedAttention, SlotAttention
 from .context import BatchedDecodeContext

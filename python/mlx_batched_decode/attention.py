@@ -4,13 +4,18 @@ Two paths with the same interface:
 
 - ``SlotAttention`` (default): every request's new K/V goes into the layer's ``SlotKVCache`` with
   one scatter, and ``batched_decode_attention`` reads ``buffer[:B, :, :max_len]`` in place with
-  the context's ``valid_lens``. No pad, no concatenate, no mask.
+  the context's ``valid_lens``, the layer's window and sinks. No pad, no concatenate, no mask.
 - ``SeedAttention``: the seed design of DESIGN.md section 1, kept as the baseline: per-request
   ``ContiguousKVCache``, right padding to ``max_len``, concatenation into one batch, an additive
   mask rebuilt per layer, ``mx.fast.scaled_dot_product_attention``.
 
-Dimension legend: B = requests in the step, H_q = query heads, H_kv = key/value heads,
-T = key/value positions, D = head dimension.
+Both serve L >= 1 new tokens per request (row ``i`` of request ``b`` sits at position
+``p = seq_lens[b] + i`` and attends keys ``max(p - window + 1, 0) .. p``), sliding-window layers
+(``window``, the number of keys a row attends, itself included) and attention sinks (``sinks``,
+a per-head logit in the softmax denominator, as ``mx.fast.scaled_dot_product_attention``).
+
+Dimension legend: B = requests in the step, L = new tokens per request, H_q = query heads,
+H_kv = key/value heads, T = key/value positions, D = head dimension.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class DecodeAttention(ABC):
     def update(
         self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """New ``[B, H_kv, 1, D]`` keys/values -> the ``[B, H_kv, T, D]`` keys/values to attend."""
+        """New ``[B, H_kv, L, D]`` keys/values -> the ``[B, H_kv, T, D]`` keys/values to attend."""
 
     @abstractmethod
     def attend(
@@ -50,8 +55,11 @@ class DecodeAttention(ABC):
         values: mx.array,
         *,
         scale: Optional[float] = None,
+        window: Optional[int] = None,
+        sinks: Optional[mx.array] = None,
     ) -> mx.array:
-        """``queries [B, H_q, 1, D]`` over what ``update`` returned -> ``[B, H_q, 1, D]``."""
+        """``queries [B, H_q, L, D]`` over what ``update`` returned -> ``[B, H_q, L, D]``;
+        ``window`` (int >= 1) bounds each row to its last keys, ``sinks`` is ``[H_q]`` float."""
 
     def __call__(
         self,
@@ -62,11 +70,15 @@ class DecodeAttention(ABC):
         values: mx.array,
         *,
         scale: Optional[float] = None,
+        window: Optional[int] = None,
+        sinks: Optional[mx.array] = None,
     ) -> mx.array:
-        """One layer's decode attention: ``queries [B, H_q, 1, D]``, new ``keys``/``values``
-        ``[B, H_kv, 1, D]`` (RoPE already applied) -> ``[B, H_q, 1, D]``."""
+        """One layer's decode attention: ``queries [B, H_q, L, D]``, new ``keys``/``values``
+        ``[B, H_kv, L, D]`` (RoPE already applied) -> ``[B, H_q, L, D]``."""
         all_keys, all_values = self.update(context, layer, keys, values)
-        return self.attend(context, queries, all_keys, all_values, scale=scale)
+        return self.attend(
+            context, queries, all_keys, all_values, scale=scale, window=window, sinks=sinks
+        )
 
 
 class SlotAttention(DecodeAttention):
@@ -75,7 +87,7 @@ class SlotAttention(DecodeAttention):
     def update(
         self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """Write the new ``[B, H_kv, 1, D]`` keys/values; return ``[B, H_kv, max_len, D]`` views."""
+        """Write the new ``[B, H_kv, L, D]`` keys/values; return ``[B, H_kv, max_len, D]`` views."""
         cache = context.layer_caches[layer]
         if not isinstance(cache, SlotKVCache):
             raise TypeError(
@@ -91,10 +103,12 @@ class SlotAttention(DecodeAttention):
         values: mx.array,
         *,
         scale: Optional[float] = None,
+        window: Optional[int] = None,
+        sinks: Optional[mx.array] = None,
     ) -> mx.array:
-        """``queries [B, H_q, 1, D]`` over the views from ``update`` -> ``[B, H_q, 1, D]``."""
+        """``queries [B, H_q, L, D]`` over the views from ``update`` -> ``[B, H_q, L, D]``."""
         return mlx_batched_decode.batched_decode_attention(
-            queries, keys, values, context.valid_lens, scale=scale
+            queries, keys, values, context.valid_lens, scale=scale, window=window, sinks=sinks
         )
 
 
@@ -104,8 +118,8 @@ class SeedAttention(DecodeAttention):
     def update(
         self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """Append each request's token to its own cache, pad right, concatenate:
-        ``[B, H_kv, max_len, D]``."""
+        """Write each request's ``L`` tokens into its own cache at its ``seq_lens[b]`` (forgetting
+        any rejected draft tokens there), pad right, concatenate: ``[B, H_kv, max_len, D]``."""
         caches = context.layer_caches[layer]
         if (
             not isinstance(caches, (list, tuple))
@@ -117,6 +131,7 @@ class SeedAttention(DecodeAttention):
             )
         padded_keys, padded_values = [], []
         for b, cache in enumerate(caches):
+            cache.rewind(context.seq_lens[b])
             k, v = cache.update_and_fetch(keys[b : b + 1], values[b : b + 1])
             pad = context.pad_sizes[b]
             if pad:
@@ -134,13 +149,23 @@ class SeedAttention(DecodeAttention):
         values: mx.array,
         *,
         scale: Optional[float] = None,
+        window: Optional[int] = None,
+        sinks: Optional[mx.array] = None,
     ) -> mx.array:
-        """``queries [B, H_q, 1, D]`` over the padded batch, masked past each ``valid_lens[b]``."""
+        """``queries [B, H_q, L, D]`` over the padded batch, each row masked to its own keys."""
         mask = None
-        if context.needs_padding:
-            # The seed rebuilds this additive [B, 1, 1, max_len] mask in every layer.
-            valid = context.positions[None, :] < context.valid_lens[:, None]
-            mask = mx.where(valid, 0.0, -mx.inf).astype(queries.dtype)[:, None, None, :]
+        if (
+            context.needs_padding
+            or context.query_len > 1
+            or (window is not None and context.max_len > window)
+        ):
+            # The seed rebuilds this additive [B, 1, L, max_len] mask in every layer: key t is
+            # visible to the row at position p when p - window < t <= p.
+            rows = context.new_positions[:, :, None]
+            visible = context.positions <= rows
+            if window is not None:
+                visible = visible & (context.positions > rows - window)
+            mask = mx.where(visible, 0.0, -mx.inf).astype(queries.dtype)[:, None]
         return mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=_default_scale(queries, scale), mask=mask
+            queries, keys, values, scale=_default_scale(queries, scale), mask=mask, sinks=sinks
         )

@@ -2,10 +2,12 @@
 
 Each request is prefilled on its own (all but its last prompt token), then joins the running
 batch; every decode step runs the model once over all active requests with one
-``BatchedDecodeContext`` shared by all layers. A request leaves when it reaches its
-``max_tokens`` or samples a stop token; the zero-copy path then moves the last row's slot into
-the freed one, so the active requests always fill slots ``0..B-1`` and the next request reuses
-the free slot.
+``BatchedDecodeContext`` shared by all layers. With a draft model a step is one speculative round
+(``speculative.py``): the draft proposes ``num_draft_tokens`` tokens per request and the target
+verifies them all in one forward pass, so a request gains 1 to ``num_draft_tokens + 1`` tokens per
+step. A request leaves when it reaches its ``max_tokens`` or samples a stop token; the last row's
+request then moves into the freed row (slot), so the active requests always fill rows ``0..B-1``
+and the next request reuses the free one.
 
 Dimension legend: B = requests in the step, V = vocabulary size.
 """
@@ -20,41 +22,49 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import DecodeAttention, SeedAttention, SlotAttention
-from .context import BatchedDecodeContext
-from .kv_cache import ContiguousKVCache, SlotKVCache
-from .mlx_lm_adapter import (
-    StepLayerCache,
-    mlx_lm_attention_modules,
-    prefill,
-    prompt_caches,
-    route_attention,
-)
+from .kv_cache import SlotKVCache
 from .progress import ProgressBar
 from .sampling import Sampler
+from .served_model import ServedModel
+from .speculative import speculative_round
 
 
 class StepResult(NamedTuple):
-    """What one decode step produced: ``tokens[uid]`` for each request that emitted a token (a
-    stop token is not emitted) and the ids of the requests that finished in this step."""
+    """What one decode step produced: ``tokens[uid]``, the tokens each request emitted in order
+    (one per step without a draft model, up to ``num_draft_tokens + 1`` with one; requests that
+    emitted nothing are absent, and a stop token is never emitted), and the ids of the requests
+    that finished in this step."""
 
-    tokens: dict[int, int]
+    tokens: dict[int, list[int]]
     finished: list[int]
 
 
 @dataclass
 class DecodeStats:
-    """Work a ``BatchedDecoder`` has done since it was made: prefill and decode, counted apart."""
+    """Work a ``BatchedDecoder`` has done since it was made: prefill and decode, counted apart.
+
+    ``steps`` counts decode steps (speculative rounds with a draft model; the draft's forward
+    passes are part of their time). ``draft_tokens`` counts the draft tokens proposed
+    (``num_draft_tokens`` per request and round) and ``accepted_tokens`` those the target agreed
+    with, whether or not a budget or stop token then cut the request short.
+    """
 
     prompt_tokens: int = 0
     prefill_seconds: float = 0.0
     steps: int = 0
     generated_tokens: int = 0
     decode_seconds: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def decode_tokens_per_second(self) -> float:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 without a draft model)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclass
@@ -65,24 +75,33 @@ class _Request:
     seq_len: int
     next_token: int
     tokens: list[int] = field(default_factory=list)
-    seed_caches: Optional[list[ContiguousKVCache]] = None
 
 
 class BatchedDecoder:
-    """Batched decoding of an mlx-lm model (Llama, Qwen2, Qwen3, Mistral, ...), its code unchanged.
+    """Batched decoding of an mlx-lm model (Llama, Qwen2, Qwen3, Mistral, Ministral 3, Gemma 3,
+    gpt-oss, ...), its code unchanged.
 
     Args:
-        model: an mlx-lm ``Model`` whose layers all use a full-attention ``KVCache``.
+        model: an mlx-lm ``Model`` whose layers use ``KVCache`` (full attention) or
+            ``RotatingKVCache`` (sliding window) and call mlx-lm's ``scaled_dot_product_attention``
+            (attention sinks and any head dim are served).
+        draft_model: an mlx-lm model with the same vocabulary, served the same way: decode
+            speculatively, ``num_draft_tokens`` draft tokens per request and step.
+        num_draft_tokens: k >= 1, draft tokens per request per step (with ``draft_model``).
         attention: ``"slot"`` (default: ``SlotKVCache`` + ``batched_decode_attention``, zero
             copy) or ``"seed"`` (per-request ``ContiguousKVCache``, pad, concatenate, masked SDPA).
         kv_step: the caches grow in chunks of this many positions.
         prefill_step_size: prompt tokens per prefill forward pass.
+
+    Raises ``ValueError`` (``[BatchedDecoder] ...``) for a model it cannot serve, naming why.
     """
 
     def __init__(
         self,
         model: nn.Module,
         *,
+        draft_model: Optional[nn.Module] = None,
+        num_draft_tokens: int = 2,
         attention: str = "slot",
         kv_step: int = 256,
         prefill_step_size: int = 2048,
@@ -91,19 +110,26 @@ class BatchedDecoder:
             raise ValueError(
                 f"[BatchedDecoder] attention must be 'slot' or 'seed', got {attention!r}"
             )
+        if num_draft_tokens < 1:
+            raise ValueError(
+                f"[BatchedDecoder] num_draft_tokens must be >= 1, got {num_draft_tokens}"
+            )
         self.model = model
+        self.draft_model = draft_model
+        self.num_draft_tokens = num_draft_tokens
         self.attention_path = attention
         self.kv_step = kv_step
         self.prefill_step_size = prefill_step_size
-        self._attention: DecodeAttention = (
-            SlotAttention() if attention == "slot" else SeedAttention()
-        )
-        self._num_layers = len(model.layers)
-        self._routed_modules = mlx_lm_attention_modules(model)
-        prompt_caches(model)
-        self._slot_caches = (
-            [SlotKVCache(kv_step) for _ in range(self._num_layers)] if attention == "slot" else None
-        )
+        self._target = ServedModel(model, attention, kv_step, prefill_step_size)
+        self._draft: Optional[ServedModel] = None
+        if draft_model is not None:
+            self._draft = ServedModel(draft_model, attention, kv_step, prefill_step_size)
+            target_vocab, draft_vocab = self._target.vocab_size(), self._draft.vocab_size()
+            if target_vocab != draft_vocab:
+                raise ValueError(
+                    f"[BatchedDecoder] the draft model's vocabulary ({draft_vocab} tokens) differs "
+                    f"from the target's ({target_vocab})"
+                )
         self._active: list[_Request] = []
         self._next_uid = 0
         self.stats = DecodeStats()
@@ -115,8 +141,16 @@ class BatchedDecoder:
 
     @property
     def slot_caches(self) -> Optional[list[SlotKVCache]]:
-        """The per-layer slot caches of the zero-copy path (``None`` on the seed path)."""
-        return self._slot_caches
+        """The target's per-layer slot caches on the zero-copy path (``None`` on the seed path)."""
+        return self._target.slot_caches
+
+    @property
+    def draft_slot_caches(self) -> Optional[list[SlotKVCache]]:
+        """The draft's per-layer slot caches (``None`` on the seed path or without a draft)."""
+        return None if self._draft is None else self._draft.slot_caches
+
+    def _models(self) -> list[ServedModel]:
+        return [self._target] if self._draft is None else [self._target, self._draft]
 
     def add_request(
         self, prompt: Sequence[int], max_tokens: int, *, stop_tokens: Iterable[int] = ()
@@ -139,81 +173,66 @@ class BatchedDecoder:
         )
         self._next_uid += 1
         start = time.perf_counter()
-        layers_kv = (
-            prefill(self.model, prompt[:-1], self.prefill_step_size) if len(prompt) > 1 else None
-        )
-        if self._slot_caches is not None:
-            if layers_kv is not None:
-                row = len(self._active)
-                for cache, (keys, values) in zip(self._slot_caches, layers_kv):
-                    cache.write_prompt(row, keys, values)
-        else:
-            request.seed_caches = [ContiguousKVCache(self.kv_step) for _ in range(self._num_layers)]
-            if layers_kv is not None:
-                for cache, (keys, values) in zip(request.seed_caches, layers_kv):
-                    cache.update_and_fetch(keys, values)
-        # Evaluate the copies now: prefill time stays out of the next step's time.
-        mx.eval(
-            [
-                (c.keys, c.values)
-                for c in self._slot_caches or request.seed_caches
-                if c.keys is not None
-            ]
-        )
+        for served in self._models():
+            served.admit(len(self._active), prompt[:-1])
         self._active.append(request)
         self.stats.prompt_tokens += len(prompt) - 1
         self.stats.prefill_seconds += time.perf_counter() - start
         return request.uid
 
-    def _layer_caches(self) -> list:
-        if self._slot_caches is not None:
-            return self._slot_caches
-        return [[r.seed_caches[layer] for r in self._active] for layer in range(self._num_layers)]
-
     def step(self, sampler: Optional[Sampler] = None) -> StepResult:
-        """One decode step: one token for every active request, greedy unless ``sampler`` says
-        otherwise."""
+        """One decode step for every active request, greedy unless ``sampler`` says otherwise:
+        one token each, or with a draft model one speculative round (1 to k + 1 tokens each)."""
         if not self._active:
             raise ValueError("[BatchedDecoder] step() needs at least one active request")
         sampler = sampler or Sampler()
         start = time.perf_counter()
-        context = BatchedDecodeContext(
-            len(self._active), [r.seq_len for r in self._active], self._layer_caches()
-        )
-        step_caches = [
-            StepLayerCache(self._attention, context, layer) for layer in range(self._num_layers)
-        ]
-        inputs = mx.array([[r.next_token] for r in self._active], dtype=mx.int32)
-        with route_attention(self._routed_modules):
-            logits = self.model(inputs, cache=step_caches)[:, -1, :]
-        sampled = sampler(logits)
-        mx.eval(sampled)
-        emitted: dict[int, int] = {}
+        seq_lens = [r.seq_len for r in self._active]
+        next_tokens = [r.next_token for r in self._active]
+        if self._draft is None:
+            inputs = mx.array(next_tokens, dtype=mx.int32)[:, None]
+            sampled = sampler(self._target.forward(inputs, seq_lens)[:, -1, :])
+            mx.eval(sampled)
+            proposals = [[token] for token in sampled.tolist()]
+        else:
+            spec = speculative_round(
+                self._target, self._draft, next_tokens, seq_lens, self.num_draft_tokens, sampler
+            )
+            proposals = spec.tokens
+            self.stats.draft_tokens += spec.drafted
+            self.stats.accepted_tokens += spec.accepted
+        emitted: dict[int, list[int]] = {}
         finished_rows = []
-        for row, (request, token) in enumerate(zip(self._active, sampled.tolist())):
-            request.seq_len += 1
-            request.next_token = token
-            if token in request.stop_tokens:
-                finished_rows.append(row)
-                continue
-            request.tokens.append(token)
-            emitted[request.uid] = token
-            if len(request.tokens) >= request.max_tokens:
+        for row, (request, tokens) in enumerate(zip(self._active, proposals)):
+            # Every proposed token's keys/values but the last are now in both caches.
+            request.seq_len += len(tokens)
+            request.next_token = tokens[-1]
+            out, done = [], False
+            for token in tokens:
+                if token in request.stop_tokens:
+                    done = True
+                    break
+                out.append(token)
+                if len(request.tokens) + len(out) >= request.max_tokens:
+                    done = True
+                    break
+            request.tokens += out
+            if out:
+                emitted[request.uid] = out
+            if done:
                 finished_rows.append(row)
         finished = [self._active[row].uid for row in finished_rows]
         for row in reversed(finished_rows):
             self._remove(row)
         self.stats.steps += 1
-        self.stats.generated_tokens += len(emitted)
+        self.stats.generated_tokens += sum(len(t) for t in emitted.values())
         self.stats.decode_seconds += time.perf_counter() - start
         return StepResult(emitted, finished)
 
     def _remove(self, row: int) -> None:
         last = len(self._active) - 1
-        if row != last and self._slot_caches is not None:
-            # Keep the batch dense: the last request moves into the freed slot.
-            for cache in self._slot_caches:
-                cache.move(last, row, self._active[last].seq_len)
+        for served in self._models():
+            served.release(row, last, self._active[last].seq_len)
         self._active[row] = self._active[last]
         self._active.pop()
 
@@ -254,14 +273,14 @@ class BatchedDecoder:
                 i = waiting.popleft()
                 index_of[self.add_request(prompts[i], budgets[i], stop_tokens=stop_tokens)] = i
             result = self.step(sampler)
-            for uid, token in result.tokens.items():
-                results[index_of[uid]].append(token)
+            for uid, tokens in result.tokens.items():
+                results[index_of[uid]] += tokens
             if bar is not None:
                 # A request that stops early gives back the rest of its budget.
                 stopped = sum(
                     budgets[index_of[uid]] - len(results[index_of[uid]]) for uid in result.finished
                 )
-                bar.update(len(result.tokens) + stopped)
+                bar.update(sum(len(t) for t in result.tokens.values()) + stopped)
         if bar is not None:
             bar.close()
         return results

@@ -1,7 +1,7 @@
 """Key/value caches: one contiguous cache per request (the seed design) and a batched slot cache.
 
-Dimension legend: B = requests in the step, H_kv = key/value heads, T = positions,
-D = head dimension, S = slots of a slot cache.
+Dimension legend: B = requests in the step, L = new tokens per request in the step,
+H_kv = key/value heads, T = positions, D = head dimension, S = slots of a slot cache.
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ class ContiguousKVCache:
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
+    def rewind(self, length: int) -> None:
+        """Forget every token past the first ``length`` (rejected draft tokens); the next write
+        overwrites them."""
+        if not 0 <= length <= self.offset:
+            raise ValueError(
+                f"[ContiguousKVCache] can rewind to 0..{self.offset} tokens, not {length}"
+            )
+        self.offset = length
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` ``[1, H_kv, L, D]``; return the filled
         ``[1, H_kv, offset, D]``."""
@@ -62,7 +71,7 @@ class ContiguousKVCache:
 class SlotKVCache:
     """One layer's keys and values for a batch of requests: ``[S, H_kv, capacity, D]`` each.
 
-    Request ``b`` of a step owns slot (row) ``b``. A decode step writes every request's new token
+    Request ``b`` of a step owns slot (row) ``b``. A decode step writes every request's new tokens
     at its own offset with one scatter per buffer, in place, and attention reads the strided view
     ``buffer[:B, :, :max_len]`` without a copy. The buffers are made on the first write, their
     capacity grows in chunks of ``step`` positions when a request outgrows it, and their slot count
@@ -133,15 +142,16 @@ class SlotKVCache:
     def update(
         self, keys: mx.array, values: mx.array, context: BatchedDecodeContext
     ) -> tuple[mx.array, mx.array]:
-        """Write the step's new ``[B, H_kv, 1, D]`` keys/values at ``context.offsets``.
+        """Write the step's new ``[B, H_kv, L, D]`` keys/values at ``context.new_positions``.
 
         Returns the strided views ``[B, H_kv, max_len, D]`` of the buffers that attention reads
         in place; positions at or past a request's ``valid_lens`` hold stale data, never read.
         """
         self.reserve(context.batch_size, context.max_len, keys, values)
-        # One scatter per buffer for the whole batch; MLX updates the buffer in place.
-        self.keys[context.rows, :, context.offsets] = keys[:, :, 0]
-        self.values[context.rows, :, context.offsets] = values[:, :, 0]
+        # One scatter per buffer for the whole batch; MLX updates the buffer in place. The two
+        # index arrays broadcast to [B, L] and sit apart, so the updates are [B, L, H_kv, D].
+        self.keys[context.rows, :, context.new_positions] = keys.swapaxes(1, 2)
+        self.values[context.rows, :, context.new_positions] = values.swapaxes(1, 2)
         return (
             self.keys[: context.batch_size, :, : context.max_len],
             self.values[: context.batch_size, :, : context.max_len],

@@ -5,19 +5,23 @@ mlx-lm's attention layers do, per layer::
     queries = self.rope(queries, offset=cache.offset)
     keys = self.rope(keys, offset=cache.offset)
     keys, values = cache.update_and_fetch(keys, values)
-    output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=..., mask=mask)
+    output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=..., mask=mask,
+                                          sinks=...)
 
-and the model builds ``mask`` with ``cache.make_mask(...)``. ``StepLayerCache`` is the ``cache``
-they receive in a decode step: its ``offset`` is the context's int32 ``[B]`` ``offsets``
-(``mx.fast.rope`` takes per-request offsets), ``update_and_fetch`` is the attention path's
-write, and ``make_mask`` returns ``None``. The last call is a module-level function of mlx-lm
-that never asks its cache to attend, so ``route_attention`` rebinds that name, in the model's
-own modules and only while a decode step runs, to a function that sends ``StepLayerCache``
-layers to our attention and every other cache to mlx-lm's original. The model's code is not
-changed. mlx-lm is imported lazily: the core package does not need it.
+and the model builds ``mask`` with ``cache.make_mask(...)`` (with ``window_size`` for its
+sliding-window layers). ``StepLayerCache`` is the ``cache`` they receive in a decode step: its
+``offset`` is the context's int32 ``[B]`` ``offsets`` (``mx.fast.rope`` takes per-request
+offsets, also with L > 1 tokens per request), ``update_and_fetch`` is the attention path's write,
+and ``make_mask`` returns ``None``: the causal order of the L rows, each request's length and the
+layer's window travel as the context's ``valid_lens`` and the cache's ``window``. The last call
+is a module-level function of mlx-lm that never asks its cache to attend, so ``route_attention``
+rebinds that name, in the model's own modules and only while a decode step runs, to a function
+that sends ``StepLayerCache`` layers (with their sinks) to our attention and every other cache to
+mlx-lm's original. The model's code is not changed. mlx-lm is imported lazily: the core package
+does not need it.
 
-Dimension legend: B = requests in the step, H_q = query heads, H_kv = key/value heads,
-T = key/value positions, D = head dimension.
+Dimension legend: B = requests in the step, L = new tokens per request in the step,
+H_q = query heads, H_kv = key/value heads, T = key/value positions, D = head dimension.
 """
 
 from __future__ import annotations
@@ -34,12 +38,27 @@ from .context import BatchedDecodeContext
 
 
 class StepLayerCache:
-    """The ``cache`` one layer of an mlx-lm model sees during one batched decode step."""
+    """The ``cache`` one layer of an mlx-lm model sees during one batched decode step.
 
-    def __init__(self, attention: DecodeAttention, context: BatchedDecodeContext, layer: int):
+    Args:
+        attention: the decode attention path.
+        context: the step's context, shared by every layer.
+        layer: the layer's index into ``context.layer_caches``.
+        window: the layer's sliding window (keys a token attends, itself included), ``None``
+            for full attention.
+    """
+
+    def __init__(
+        self,
+        attention: DecodeAttention,
+        context: BatchedDecodeContext,
+        layer: int,
+        window: Optional[int] = None,
+    ):
         self.attention = attention
         self.context = context
         self.layer = layer
+        self.window = window
 
     @property
     def offset(self) -> mx.array:
@@ -47,24 +66,47 @@ class StepLayerCache:
         return self.context.offsets
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """New ``[B, H_kv, 1, D]`` keys/values -> the ``[B, H_kv, max_len, D]`` attention reads."""
-        if keys.shape[2] != 1:
-            raise ValueError("[StepLayerCache] a decode step feeds exactly one token per request")
+        """New ``[B, H_kv, L, D]`` keys/values -> the ``[B, H_kv, max_len, D]`` attention reads."""
+        if keys.shape[2] != self.context.query_len:
+            raise ValueError(
+                f"[StepLayerCache] this step feeds {self.context.query_len} tokens per request, "
+                f"the layer got {keys.shape[2]}"
+            )
         return self.attention.update(self.context, self.layer, keys, values)
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: Optional[int] = None
     ) -> None:
-        """No mask: the lengths travel in the context's ``valid_lens``."""
-        if N != 1 or window_size is not None:
+        """No mask: the lengths travel in the context's ``valid_lens``, the window in ``window``.
+
+        A ``window_size`` the model asks for must be this layer's window (mlx-lm's rotating
+        cache of ``max_size`` tokens bounds a decode token to ``max_size`` keys whatever the
+        mask says, so a larger ``window_size`` means the same).
+        """
+        if N != self.context.query_len:
             raise ValueError(
-                "[StepLayerCache] only single-token, full-attention decode is supported"
+                f"[StepLayerCache] this step feeds {self.context.query_len} tokens per request, "
+                f"the model asks for a mask of {N}"
+            )
+        if window_size is not None and (self.window is None or window_size < self.window):
+            raise ValueError(
+                f"[BatchedDecoder] the model masks layer {self.layer} to a window of "
+                f"{window_size} tokens but its cache holds a window of {self.window}"
             )
         return None
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-        """``queries [B, H_q, 1, D]`` -> ``[B, H_q, 1, D]``."""
-        return self.attention.attend(self.context, queries, keys, values, scale=scale)
+    def attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        sinks: Optional[mx.array] = None,
+    ) -> mx.array:
+        """``queries [B, H_q, L, D]`` -> ``[B, H_q, L, D]``; ``sinks`` ``[H_q]`` or ``None``."""
+        return self.attention.attend(
+            self.context, queries, keys, values, scale=scale, window=self.window, sinks=sinks
+        )
 
 
 def mlx_lm_attention_modules(model: nn.Module) -> list[Any]:
@@ -98,11 +140,9 @@ def route_attention(python_modules: list[Any]) -> Iterator[None]:
     def routed(queries, keys, values, cache, scale, mask, sinks=None):
         if not isinstance(cache, StepLayerCache):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        if sinks is not None or mask is not None:
-            raise ValueError(
-                "[BatchedDecoder] attention sinks and explicit masks are not supported"
-            )
-        return cache.attend(queries, keys, values, scale)
+        if mask is not None:
+            raise ValueError("[BatchedDecoder] explicit attention masks are not supported")
+        return cache.attend(queries, keys, values, scale, sinks)
 
     for python_module in python_modules:
         python_module.scaled_dot_product_attention = routed
@@ -111,29 +151,3 @@ def route_attention(python_modules: list[Any]) -> Iterator[None]:
     finally:
         for python_module in python_modules:
             python_module.scaled_dot_product_attention = original
-
-
-def prompt_caches(model: nn.Module) -> list[Any]:
-    """mlx-lm's own per-layer caches for one prompt; raises for models we cannot serve."""
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
-
-    caches = make_prompt_cache(model)
-    if any(type(c) is not KVCache for c in caches):
-        raise ValueError(
-            "[BatchedDecoder] only models whose every layer uses mlx-lm's full-attention KVCache "
-            "are supported (no sliding-window, rotating, or state-space caches)"
-        )
-    return caches
-
-
-def prefill(model: nn.Module, tokens: list[int], step_size: int) -> list[tuple[mx.array, mx.array]]:
-    """Run ``tokens`` through the model with mlx-lm's own caches, ``step_size`` tokens at a time.
-
-    Returns each layer's keys and values ``[1, H_kv, len(tokens), D]``. Like mlx-lm's
-    ``generate_step``, callers prefill all but the last prompt token, which then enters decoding.
-    """
-    caches = prompt_caches(model)
-    for start in range(0, len(tokens), step_size):
-        model(mx.array(tokens[start : start + step_size], dtype=mx.int32)[None], cache=caches)
-        mx.eval([c.state for c in caches])
-    return [(c.keys[:, :, : c.offset], c.values[:, :, : c.offset]) for c in caches]
