@@ -68,16 +68,41 @@ inline void release() {
   _tile_release();
 }
 
-// Requests the lines of row j's successor, `ahead` elements further on, while
-// row j is read, so the next block arrives while this one is computed.
-template <typename T>
-inline void prefetch_successor(const T* row, int j, int n_ahead, int64_t ahead, int D) {
-  if (j < n_ahead) {
-    for (int byte = 0; byte < D * static_cast<int>(sizeof(T)); byte += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(row + ahead) + byte, 0, 1);
+// Requests the next block's rows from memory a few cache lines at a time,
+// spread over this block's work: a burst of requests stalls on the core's
+// few miss buffers and the excess is dropped. Row j of the next block is
+// `ahead` elements past row j of this one, for j < rows.
+struct NextBlock {
+  const char* first[2] = {}; // this block's row 0 of keys and of values
+  int64_t stride[2] = {}; // bytes between rows
+  int64_t ahead[2] = {}; // bytes from a row to its successor
+  int rows[2] = {};
+  int line_bytes = 0; // bytes of a row
+  int next = 0; // lines requested so far, keys' first
+
+  template <typename T>
+  void set(int which, const T* row0, int64_t row_stride, int64_t ahead_elements, int n, int D) {
+    first[which] = reinterpret_cast<const char*>(row0);
+    stride[which] = row_stride * static_cast<int64_t>(sizeof(T));
+    ahead[which] = ahead_elements * static_cast<int64_t>(sizeof(T));
+    rows[which] = n;
+    line_bytes = D * static_cast<int>(sizeof(T));
+  }
+
+  // Requests up to `lines` more lines of the next block.
+  void request(int lines) {
+    const int per_row = (line_bytes + 63) / 64;
+    for (; lines > 0; --lines, ++next) {
+      const int which = next < rows[0] * per_row ? 0 : 1;
+      const int index = next - which * rows[0] * per_row;
+      if (index >= rows[which] * per_row) {
+        return;
+      }
+      const int row = index / per_row, byte = index % per_row * 64;
+      __builtin_prefetch(first[which] + row * stride[which] + ahead[which] + byte, 0, 1);
     }
   }
-}
+};
 
 // Word indexes that pack the top halves (bfloat16 truncations) of the 16
 // float32 of a, then of b.
@@ -188,10 +213,8 @@ bool transpose_queries(const T* const* rows, int64_t stride, int R, int D, int D
 }
 
 // float16 keys t .. t+n-1 (rows[j], in place or gathered) as bfloat16 parts
-// [32, Dq], zero past Dp and past n; row j's successor, `ahead` elements on,
-// is requested for j < n_ahead. Returns false on a non-finite key.
-inline bool split_keys(
-    const mx::float16_t* const* rows, int n, int Dp, int Dq, int n_ahead, int64_t ahead, Scratch& s) {
+// [32, Dq], zero past Dp and past n. Returns false on a non-finite key.
+inline bool split_keys(const mx::float16_t* const* rows, int n, int Dp, int Dq, Scratch& s) {
   const __m512i order = top_halves();
   for (int j = 0; j < kKeys; ++j) {
     uint16_t* hi = s.k_hi.data() + static_cast<size_t>(j) * Dq;
@@ -201,7 +224,6 @@ inline bool split_keys(
       std::memset(lo, 0, Dq * sizeof(uint16_t));
       continue;
     }
-    prefetch_successor(rows[j], j, n_ahead, ahead, Dp);
     for (int d = 0; d < Dq; d += 32) {
       // Dp is a multiple of 16: a half chunk is all in the row or all past it.
       const __m512i bits = d + 16 < Dp ? _mm512_loadu_si512(rows[j] + d)
@@ -225,13 +247,11 @@ inline bool split_keys(
 // and past n) when they cannot be read in place. They need no finiteness
 // check: with no lo part each score is the same exact products as on the
 // vector path.
-inline void copy_keys(
-    const mx::bfloat16_t* const* rows, int n, int Dp, int Dq, int n_ahead, int64_t ahead, Scratch& s) {
+inline void copy_keys(const mx::bfloat16_t* const* rows, int n, int Dp, int Dq, Scratch& s) {
   for (int j = 0; j < kKeys; ++j) {
     uint16_t* hi = s.k_hi.data() + static_cast<size_t>(j) * Dq;
     const int copied = j < n ? Dp : 0;
     if (j < n) {
-      prefetch_successor(rows[j], j, n_ahead, ahead, Dp);
       std::memcpy(hi, rows[j], Dp * sizeof(uint16_t));
     }
     std::memset(hi + copied, 0, (Dq - copied) * sizeof(uint16_t));
@@ -240,14 +260,11 @@ inline void copy_keys(
 
 // Values t .. t+n-1 in pairs of keys: element (c, p, d, e) = v[2p + e][c*16 + d],
 // zero past n; float16 as bfloat16 parts hi and lo, bfloat16 in hi alone.
-// Successors requested as in split_keys. Returns false on a non-finite value:
-// a zero weight cannot cancel it in a tile product.
+// Returns false on a non-finite value: a zero weight cannot cancel it in a
+// tile product.
 template <typename T>
-bool pair_values(const T* const* rows, int n, int Dp, int n_ahead, int64_t ahead, Scratch& s) {
+bool pair_values(const T* const* rows, int n, int Dp, Scratch& s) {
   const __m512i order = interleaved_top_halves();
-  for (int j = 0; j < n; ++j) {
-    prefetch_successor(rows[j], j, n_ahead, ahead, Dp);
-  }
   for (int p = 0; p < kKeys / 2; ++p) {
     for (int c = 0; c < Dp / 16; ++c) {
       const __m256i b0 = 2 * p < n ? load_bits(rows[2 * p] + c * 16) : _mm256_setzero_si256();
@@ -329,11 +346,13 @@ inline __m512 exp16(__m512 x) {
 // row's keys [lo, hi) and past n), updates the running max m and sum l and
 // returns the factor alpha = exp(m_old - m_new) for the old accumulator (0
 // when m_old is -inf). `whole`: every row attends all of [t, t + n).
-inline __m512 softmax(float* st, int t, int n, float scale, __m512i lo, __m512i hi, bool whole, __m512& m, __m512& l) {
+inline __m512 softmax(
+    float* st, int t, int n, float scale, __m512i lo, __m512i hi, bool whole, __m512& m, __m512& l, NextBlock& next) {
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
   const __m512 sc = _mm512_set1_ps(scale);
   __m512 m_new = m;
   for (int j = 0; j < n; ++j) {
+    next.request(4);
     __m512 x = _mm512_mul_ps(_mm512_load_ps(st + j * kRows), sc);
     if (!whole) {
       const __m512i key = _mm512_set1_epi32(t + j);
@@ -348,6 +367,7 @@ inline __m512 softmax(float* st, int t, int n, float scale, __m512i lo, __m512i 
   const __m512 alpha = _mm512_maskz_mov_ps(static_cast<__mmask16>(~empty), exp16(_mm512_sub_ps(m, m_new)));
   __m512 sum = _mm512_setzero_ps();
   for (int j = 0; j < n; ++j) {
+    next.request(4);
     const __m512 x = _mm512_load_ps(st + j * kRows);
     // -inf (outside a range) gives weight 0, not exp(-inf - -inf) = NaN.
     const __mmask16 outside = _mm512_cmp_ps_mask(x, neg_inf, _CMP_EQ_OQ);

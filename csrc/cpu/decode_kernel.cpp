@@ -275,21 +275,22 @@ struct AmxItem {
     // read by the tile loads in place.
     const uint16_t* keys = s.k_hi.data();
     int64_t k_stride = Dq;
+    // The next block's rows are requested during this block's softmax.
+    amx::NextBlock next;
+    next.set(0, rows[0], a.k_stride[2], k_next.offset, k_next.rows, Dp);
     if constexpr (split16) {
-      if (!amx::split_keys(rows, n, Dp, Dq, k_next.rows, k_next.offset, s)) {
+      if (!amx::split_keys(rows, n, Dp, Dq, s)) {
         return false;
       }
     } else if (n == kBlock && Dp == Dq && rows[1] == rows[0] + a.k_stride[2]) {
       keys = reinterpret_cast<const uint16_t*>(rows[0]);
       k_stride = a.k_stride[2];
-      for (int j = 0; j < n; ++j) {
-        amx::prefetch_successor(rows[j], j, k_next.rows, k_next.offset, Dp);
-      }
     } else {
-      amx::copy_keys(rows, n, Dp, Dq, k_next.rows, k_next.offset, s);
+      amx::copy_keys(rows, n, Dp, Dq, s);
     }
     load(vh, a.v_stride);
-    if (!amx::pair_values(rows, n, Dp, v_next.rows, v_next.offset, s)) {
+    next.set(1, rows[0], a.v_stride[2], v_next.offset, v_next.rows, Dp);
+    if (!amx::pair_values(rows, n, Dp, s)) {
       return false;
     }
     for (int g = 0; g < groups; ++g) {
@@ -299,7 +300,7 @@ struct AmxItem {
       amx::scores(s, keys, k_stride, g, Dq, split16, s.s);
       const __m512 alpha = amx::softmax(
           s.s, t, n, a.scale, _mm512_loadu_si512(lo.data() + first), _mm512_loadu_si512(hi.data() + first), whole,
-          m, l);
+          m, l, next);
       _mm512_storeu_ps(st.m + first, m);
       _mm512_storeu_ps(st.l + first, l);
       amx::transpose_weights(s.s, s);
