@@ -116,6 +116,7 @@ def test_key_of_row_zero_alone(lib, path):
     spec = PATHS[path]
     case = make_case(np.random.default_rng(4), "float32", 64, spec["h_kv"], 4, spec["t"], spec["lens"], rows=5,
                      window=spec["window"])
+    assert_path(lib, case, path)
     expected = case.reference()
     hit = []
     for b, n in enumerate(case.valid_lens):
@@ -152,6 +153,7 @@ def test_positions_are_clamped(lib, path):
     t, int_max, int_min = spec["t"], 2**31 - 1, -(2**31)
     case = make_case(np.random.default_rng(7), "float32", 128, spec["h_kv"], 4, t, [t + 1, 10 * t, -1, int_min, t],
                      rows=3, starts=[-1, int_max, int_min, 5, t + 3], window=spec["window"], sinks=True)
+    assert_path(lib, case, path)
     out = case.run(lib)
     case.valid_lens = np.array([t, t, 0, 0, t], dtype=np.int32)
     case.kv_starts = np.array([0, t, 0, 5, t], dtype=np.int32)
