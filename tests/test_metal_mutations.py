@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness package 
 from metal_emu.build import CACHE, build_library  # noqa: E402
 from metal_emu.cases import make_case  # noqa: E402
 from metal_emu.driver import EmulatedLibrary, HarnessError  # noqa: E402
-from metal_emu.mutants import HEADER, MUTATIONS, mutant_source  # noqa: E402
+from metal_emu.mutants import MUTATIONS, mutant_source  # noqa: E402
 from metal_emu.reference import TOLERANCE, to_float64  # noqa: E402
+from metal_emu.sources import HEADER  # noqa: E402
 
 # make_case arguments (float32, D = 64, G = 4, L > 1). Both launch paths, each
 # with and without a window: a negative start (request 0) only reads before

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .build import CACHE
-from .sources import HEADER, kernel_sources
+from .sources import kernel_sources
 
 # name: (original text, replacement)
 MUTATIONS = {
