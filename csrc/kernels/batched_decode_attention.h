@@ -8,7 +8,7 @@
 // max(start_b, p - window + 1) .. p; a sink logit joins its softmax denominator.
 //
 // One threadgroup per (split, KV head x row chunk, request). A row chunk holds
-// bda_rows of the R rows, taken in (i, g) order: its rows then cover
+// bda_rows of the R rows, ordered by i and then g: its rows then cover
 // consecutive i, whose key ranges join into one interval, the only keys it
 // reads. Each simdgroup walks its own keys; each lane owns a D-slice, so a K/V
 // row is one vector load per lane and serves every row of the chunk, each row
@@ -91,7 +91,11 @@ inline BdaRange bda_row_keys(int len, int start, int num_rows, int i, int window
   return BdaRange{max(start, pos - window + 1), pos + 1};
 }
 
-// Head dim D (the most a generic kernel takes; it reads its own from p).
+// queries [B, H_q, L, D], keys and values [B, H_kv, T, D] (strided views),
+// valid_lens and kv_starts int32 [B], sinks float32 [H_q] (all strided),
+// out [B, H_q, L, D] contiguous; split-K partials float32 [B, H_q, L, splits]
+// (max, sum) and [B, H_q, L, splits, D] (acc). Head dim D: the exact one of a
+// fast kernel, the largest a generic kernel takes (its own is p.head_dim).
 template <typename T, int D, bool GENERIC>
 [[kernel]] void batched_decode_attention(
     const device T* queries [[buffer(0)]],
