@@ -1,11 +1,15 @@
 """The unedited Metal kernel, compiled with g++ by the emulation harness, against
-a float64 reference: every dtype x head dim x GQA group, both launch paths.
+a float64 reference: every dtype x head dim (fast and generic), GQA groups, L
+query rows, kv_starts, windows and sinks, both launch paths.
 
-Dimensions: B requests, H_q/H_kv query/KV heads, G = H_q / H_kv, T positions, D head dim.
+Dimensions: B requests, H_q/H_kv query/KV heads, G = H_q / H_kv, L query rows
+per request, T positions, D head dim. Every K/V position no query row of a
+request attends holds NaN (keys) or inf (values): it must change nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -17,18 +21,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness package 
 from metal_emu.build import build_library  # noqa: E402
 from metal_emu.cases import make_case  # noqa: E402
 from metal_emu.driver import EmulatedLibrary, HarnessError  # noqa: E402
-from metal_emu.reference import TOLERANCE, to_float64  # noqa: E402
+from metal_emu.reference import TOLERANCE, row_range, to_float64  # noqa: E402
 
 DTYPES = ["float16", "bfloat16", "float32"]
-HEAD_DIMS = [64, 80, 96, 128, 256]
+FAST_DIMS = [32, 64, 80, 96, 112, 128, 160, 192, 256, 512]
+# One or two per generic kernel (up to 32, 64, 128, 256, 512).
+GENERIC_DIMS = [1, 24, 48, 100, 200, 300]
 GROUPS = [1, 4, 8]
+ROWS = [1, 2, 5, 8]
 
-# (T, H_kv, lengths): T <= 64 keeps one pass; a long T with few (request, KV head)
-# items takes split-K. Lengths: empty, one key, fewer keys than simdgroups, full,
-# above T and negative (both clamped), and ends inside a split.
+# T, H_kv, lengths, starts and a window per launch path: T <= 64 keeps one
+# pass; a long T with few (request, KV head, row chunk) items takes split-K.
+# Lengths: empty, one key, fewer keys than rows, full, above T and negative
+# (both clamped). Starts: negative (clamped), inside, at and past the length.
 PATHS = {
-    "single_pass": (40, 2, [0, 1, 5, 40, 33, 47, -3]),
-    "split_k": (230, 1, [230, 1, 0, 137, 300, 64]),
+    "single_pass": dict(t=40, h_kv=2, lens=[0, 1, 5, 40, 33, 47, -3, 12], starts=[0, -2, 3, 10, 40, 0, 5, 100],
+                        window=7),
+    "split_k": dict(t=140, h_kv=1, lens=[140, 1, 0, 97, 300, 64], starts=[0, 0, 7, 60, -50, 64], window=130),
 }
 
 
@@ -37,94 +46,210 @@ def lib() -> EmulatedLibrary:
     return EmulatedLibrary(build_library())
 
 
+def path_case(rng, path: str, dtype: str, d: int, g: int, rows: int, starts: bool, window: bool, sinks: bool):
+    spec = PATHS[path]
+    return make_case(rng, dtype, d, spec["h_kv"], g, spec["t"], spec["lens"], rows=rows,
+                     starts=spec["starts"] if starts else None, window=spec["window"] if window else None,
+                     sinks=sinks)
+
+
+def empty_rows(case) -> np.ndarray:
+    """bool [B, L]: the query rows with no key."""
+    t, rows = case.keys.shape[2], case.queries.shape[2]
+    out = np.zeros((len(case.valid_lens), rows), dtype=bool)
+    for b, n in enumerate(case.valid_lens):
+        start = 0 if case.kv_starts is None else int(np.clip(case.kv_starts[b], 0, t))
+        for i in range(rows):
+            lo, hi = row_range(int(np.clip(n, 0, t)), start, rows, i, case.window)
+            out[b, i] = hi <= lo
+    return out
+
+
 def run_and_compare(lib, case, **kwargs):
-    out = lib.attention(case.queries, case.keys, case.values, case.valid_lens, case.dtype, case.scale, **kwargs)
-    got = to_float64(out, case.dtype)
+    got = to_float64(case.run(lib, **kwargs), case.dtype)
     np.testing.assert_allclose(got, case.reference(), atol=TOLERANCE[case.dtype], rtol=TOLERANCE[case.dtype])
+    # NaN/inf outside every row's range is never read; a row with no key is exactly zero.
+    assert np.isfinite(got).all()
+    assert not got.transpose(0, 2, 1, 3)[empty_rows(case)].any()
     return got
 
 
-@pytest.mark.parametrize("path", sorted(PATHS))
-@pytest.mark.parametrize("g", GROUPS)
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_reference(lib, dtype, d, g, path):
-    t, h_kv, lens = PATHS[path]
-    rng = np.random.default_rng([d, g, DTYPES.index(dtype), len(path)])
-    case = make_case(rng, dtype, d, h_kv, g, t, lens)
-    plan = lib.plan(len(lens), h_kv * g, h_kv, t, d, dtype)
+def assert_path(lib, case, path):
+    b, h_q, rows, d = case.queries.shape
+    plan = lib.plan(b, h_q, case.keys.shape[1], case.keys.shape[2], d, case.dtype, rows=rows, window=case.window)
     assert (plan["num_splits"] > 1) == (path == "split_k")
-    got = run_and_compare(lib, case)
-    # NaN/inf padding is never read, an empty request is exactly zero.
-    assert np.isfinite(got).all()
-    assert not got[case.valid_lens <= 0].any()
+
+
+@pytest.mark.parametrize("options", ["plain", "all"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("d", sorted(FAST_DIMS + GENERIC_DIMS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_dims(lib, dtype, d, path, options):
+    """Every kernel, plain (L = 1, no option) and with every option on; G and L vary along the head dims."""
+    turn = sorted(FAST_DIMS + GENERIC_DIMS).index(d) + DTYPES.index(dtype)
+    on = options == "all"
+    g, rows = GROUPS[turn % len(GROUPS)], ROWS[turn % len(ROWS)] if on else 1
+    case = path_case(np.random.default_rng([d, turn, len(path)]), path, dtype, d, g, rows, on, on, on)
+    assert_path(lib, case, path)
+    run_and_compare(lib, case)
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("window", [False, True], ids=["", "window"])
+@pytest.mark.parametrize("starts", [False, True], ids=["", "starts"])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_options(lib, path, rows, starts, window, sinks):
+    """Every combination of the options, L and path; G varies (3 splits an i over row chunks)."""
+    turn = ROWS.index(rows) + 2 * starts + window + sinks
+    g = [1, 3, 8][turn % 3]
+    case = path_case(np.random.default_rng([rows, turn, len(path)]), path, "float32", 64, g, rows, starts, window,
+                     sinks)
+    assert_path(lib, case, path)
+    run_and_compare(lib, case)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_key_of_row_zero_alone(lib, path):
+    """NaN at the key only row 0 of a request attends (the first of its window):
+    row 0 turns NaN, which shows the key is read, and every other row is unchanged."""
+    spec = PATHS[path]
+    case = make_case(np.random.default_rng(4), "float32", 64, spec["h_kv"], 4, spec["t"], spec["lens"], rows=5,
+                     window=spec["window"])
+    assert_path(lib, case, path)
+    expected = case.reference()
+    hit = []
+    for b, n in enumerate(case.valid_lens):
+        length = int(np.clip(n, 0, spec["t"]))
+        lo, hi = row_range(length, 0, 5, 0, spec["window"])
+        if hi > lo and lo < row_range(length, 0, 5, 1, spec["window"])[0]:
+            case.keys[b, :, lo] = np.nan
+            hit.append(b)
+    assert hit
+    got = to_float64(case.run(lib), "float32")
+    assert np.isnan(got[hit, :, 0]).all()
+    np.testing.assert_allclose(got[:, :, 1:], expected[:, :, 1:], atol=TOLERANCE["float32"], rtol=TOLERANCE["float32"])
+    others = [b for b in range(len(case.valid_lens)) if b not in hit]
+    np.testing.assert_allclose(got[others], expected[others], atol=TOLERANCE["float32"], rtol=TOLERANCE["float32"])
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_windows_of_t_or_more_are_no_window(lib, path):
+    spec = PATHS[path]
+    t = spec["t"]
+    case = make_case(np.random.default_rng(6), "float16", 96, spec["h_kv"], 2, t, spec["lens"], rows=2,
+                     starts=spec["starts"], sinks=True)
+    unbounded = case.run(lib)
+    for window in (t, t + 1, 10**6):
+        case.window = window
+        np.testing.assert_array_equal(case.run(lib), unbounded)
+        run_and_compare(lib, case)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_positions_are_clamped(lib, path):
+    """Lengths and starts outside [0, T] read what their clamped values read."""
+    spec = PATHS[path]
+    t, int_max, int_min = spec["t"], 2**31 - 1, -(2**31)
+    case = make_case(np.random.default_rng(7), "float32", 128, spec["h_kv"], 4, t, [t + 1, 10 * t, -1, int_min, t],
+                     rows=3, starts=[-1, int_max, int_min, 5, t + 3], window=spec["window"], sinks=True)
+    assert_path(lib, case, path)
+    out = case.run(lib)
+    case.valid_lens = np.array([t, t, 0, 0, t], dtype=np.int32)
+    case.kv_starts = np.array([0, t, 0, 5, t], dtype=np.int32)
+    np.testing.assert_array_equal(out, case.run(lib))
+    assert out[0].any() and not out[1:].any()
 
 
 @pytest.mark.parametrize("max_threads", [32, 64, 96, 1024])
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_threadgroup_sizes(lib, max_threads, path):
     """A pipeline allowing fewer threads gets fewer simdgroups per threadgroup."""
-    t, h_kv, lens = PATHS[path]
-    case = make_case(np.random.default_rng(max_threads), "float32", 80, h_kv, 4, t, lens)
-    assert lib.plan(len(lens), 4 * h_kv, h_kv, t, 80, "float32", max_threads)["group"][0] == min(256, max_threads)
+    case = path_case(np.random.default_rng(max_threads), path, "float32", 80, 4, 2, True, True, True)
+    b, h_q, _, d = case.queries.shape
+    assert lib.plan(b, h_q, h_q // 4, case.keys.shape[2], d, "float32", max_threads, rows=2)["group"][0] == min(
+        256, max_threads)
     run_and_compare(lib, case, max_threads=max_threads)
 
 
-@pytest.mark.parametrize("g", [12, 16])
-def test_groups_wider_than_one_chunk(lib, g):
-    """G above the heads one threadgroup serves splits the heads over chunks."""
-    case = make_case(np.random.default_rng(g), "float16", 64, 2, g, 50, [50, 3, 0])
-    assert lib.plan(3, 2 * g, 2, 50, 64, "float16")["head_chunks"] == 2
+@pytest.mark.parametrize("d,g,rows,chunks", [(64, 12, 1, 2), (64, 2, 5, 2), (96, 3, 8, 3), (512, 4, 2, 2),
+                                             (300, 1, 5, 2)])
+def test_rows_over_several_chunks(lib, d, g, rows, chunks):
+    """G * L rows above what one threadgroup holds (8; 4 for D > 256) spread over row chunks."""
+    case = make_case(np.random.default_rng(g * rows), "float16", d, 2, g, 50, [50, 3, 0, 20], rows=rows,
+                     starts=[4, 0, 0, 9], window=12, sinks=True)
+    assert lib.plan(4, 2 * g, 2, 50, d, "float16", rows=rows, window=12)["row_chunks"] == chunks
     run_and_compare(lib, case)
-
-
-@pytest.mark.parametrize("path", sorted(PATHS))
-def test_lengths_are_clamped(lib, path):
-    """Lengths above T read exactly T keys, negative ones none."""
-    t, h_kv, _ = PATHS[path]
-    rng = np.random.default_rng(7)
-    case = make_case(rng, "float32", 128, h_kv, 4, t, [t + 1, 10 * t, -1, -(2**31)])
-    out = lib.attention(case.queries, case.keys, case.values, case.valid_lens, "float32", case.scale)
-    clamped = lib.attention(case.queries, case.keys, case.values, np.array([t, t, 0, 0], dtype=np.int32), "float32", case.scale)
-    np.testing.assert_array_equal(out, clamped)
-    assert not out[2:].any()
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_thread_backend_matches_fibers(lib, path):
     """Lanes as OS threads compute bit for bit what the fiber schedule computes."""
-    t, h_kv, lens = PATHS[path]
-    case = make_case(np.random.default_rng(3), "bfloat16", 96, h_kv, 4, t, lens[:3])
-    args = (case.queries, case.keys, case.values, case.valid_lens, "bfloat16", case.scale)
-    np.testing.assert_array_equal(lib.attention(*args, backend="threads"), lib.attention(*args))
+    spec = PATHS[path]
+    case = make_case(np.random.default_rng(3), "bfloat16", 96, spec["h_kv"], 4, spec["t"], spec["lens"][:3], rows=2,
+                     starts=spec["starts"][:3], window=spec["window"], sinks=True)
+    np.testing.assert_array_equal(case.run(lib, backend="threads"), case.run(lib))
 
 
 @pytest.mark.parametrize("layout", ["every_other", "broadcast"])
-def test_strided_valid_lens(lib, layout):
-    """valid_lens may be a view: every other element of a buffer, or one length broadcast."""
-    t, h_kv, lens = PATHS["split_k"]
-    case = make_case(np.random.default_rng(9), "float16", 128, h_kv, 4, t, lens if layout == "every_other" else [101] * 4)
+def test_strided_positions_and_sinks(lib, layout):
+    """valid_lens, kv_starts and sinks may be views: every other element of a buffer, or broadcast."""
+    spec = PATHS["split_k"]
+    b = len(spec["lens"])
     if layout == "every_other":
-        buffer = np.full(2 * len(lens), 10**6, dtype=np.int32)
-        buffer[::2] = case.valid_lens
-        case.valid_lens = buffer[::2]
+        case = path_case(np.random.default_rng(9), "split_k", "float16", 128, 4, 2, True, True, True)
+        for name in ("valid_lens", "kv_starts"):
+            buffer = np.full(2 * b, 10**6, dtype=np.int32)
+            buffer[::2] = getattr(case, name)
+            setattr(case, name, buffer[::2])
     else:
-        case.valid_lens = np.broadcast_to(np.int32(101), (4,))
+        case = make_case(np.random.default_rng(9), "float16", 128, 1, 4, spec["t"], [101] * b, rows=2,
+                         starts=[3] * b, window=spec["window"])
+        case.valid_lens = np.broadcast_to(np.int32(101), (b,))
+        case.kv_starts = np.broadcast_to(np.int32(3), (b,))
+        case.sinks = np.broadcast_to(np.float32(0.5), (4,))
     run_and_compare(lib, case)
 
 
 @pytest.mark.parametrize("b,t", [(0, 16), (3, 0)])
 def test_empty_inputs(lib, b, t):
     """No request launches nothing; no positions (T = 0) gives zeros."""
-    case = make_case(np.random.default_rng(1), "float16", 64, 2, 4, t, [5, 0, -1][:b])
+    case = make_case(np.random.default_rng(1), "float16", 64, 2, 4, t, [5, 0, -1][:b], rows=2,
+                     starts=[1, 0, 2][:b], window=3, sinks=True)
     got = run_and_compare(lib, case)
-    assert got.shape == (b, 8, 1, 64) and not got.any()
+    assert got.shape == (b, 8, 2, 64) and not got.any()
 
 
 def test_misaligned_strides_are_rejected(lib):
     """Vector loads need row starts on the vector width: the plan refuses others."""
-    case = make_case(np.random.default_rng(0), "float32", 128, 1, 1, 8, [8])
+    case = make_case(np.random.default_rng(0), "float32", 128, 1, 1, 8, [8], rows=2)
     buffer = np.zeros((1, 1, 8, 129), dtype=np.float32)
     buffer[..., :128] = case.keys
     with pytest.raises(HarnessError, match="multiples of 4"):
         lib.attention(case.queries, buffer[..., :128], case.values, case.valid_lens, "float32", case.scale)
+    rows = np.zeros((1, 1, 2, 130), dtype=np.float32)
+    rows[..., :128] = case.queries
+    with pytest.raises(HarnessError, match="multiples of 4"):
+        lib.attention(rows[..., :128], case.keys, case.values, case.valid_lens, "float32", case.scale)
+
+
+def test_generic_head_dims_take_any_stride(lib):
+    """The generic kernels load scalars: odd strides are fine."""
+    case = make_case(np.random.default_rng(2), "float16", 100, 1, 2, 30, [30, 7], rows=2, window=5)
+    buffers = [np.zeros((2, shape[1], shape[2], 101), dtype=np.float16)
+               for shape in (case.queries.shape, case.keys.shape, case.values.shape)]
+    for buffer, view in zip(buffers, (case.queries, case.keys, case.values)):
+        buffer[..., :100] = view
+    case.queries, case.keys, case.values = (buffer[..., :100] for buffer in buffers)
+    run_and_compare(lib, case)
+
+
+def test_every_head_dim_has_its_kernels(lib):
+    """The plan names a main and a reduce kernel of the library for every dtype and head dim 1..512."""
+    plans = [lib.plan(1, 1, 1, 4096, d, dtype) for dtype, d in itertools.product(DTYPES, range(1, 513))]
+    names = {p["kernel"] for p in plans} | {p["reduce_kernel"] for p in plans}
+    assert len(names) == 2 * 3 * (len(FAST_DIMS) + 5)
+    for name in names:
+        # The registry is searched before the buffers are checked.
+        with pytest.raises(HarnessError, match="left unbound"):
+            lib.dispatch(name, [], (1, 1, 1), (32, 1, 1))

@@ -3,7 +3,8 @@ bug, must make it fail (a reported misuse or a result off the reference).
 
 Each mutant is made from the real source by a text substitution that the test
 asserts to have applied exactly once, so a kernel edit cannot silently turn a
-mutation into a no-op.
+mutation into a no-op. Mutants instantiate only the kernel the cases run (see
+metal_emu/sources.py); the unmutated kernel is the real, whole library.
 """
 
 from __future__ import annotations
@@ -20,17 +21,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness package 
 from metal_emu.build import CACHE, build_library  # noqa: E402
 from metal_emu.cases import make_case  # noqa: E402
 from metal_emu.driver import EmulatedLibrary, HarnessError  # noqa: E402
-from metal_emu.mutants import HEADER, MUTATIONS, mutant_source  # noqa: E402
+from metal_emu.mutants import MUTATIONS, mutant_source  # noqa: E402
 from metal_emu.reference import TOLERANCE, to_float64  # noqa: E402
+from metal_emu.sources import HEADER  # noqa: E402
 
-# Both launch paths; lengths above T catch an unclamped length.
-CASES = {"single_pass": (40, 2, [40, 3, 0, 45]), "split_k": (230, 1, [230, 7, 250])}
+# make_case arguments (float32, D = 64, G = 4, L > 1). Both launch paths, each
+# with and without a window: a negative start (request 0) only reads before
+# the keys without one. Lengths above T catch an unclamped length.
+CASES = {
+    "single_pass": dict(t=40, h_kv=2, lens=[40, 3, 0, 45], rows=3, starts=[-3, 1, 0, 2], sinks=True),
+    "single_pass_window": dict(t=40, h_kv=2, lens=[40, 17, 0, 45], rows=3, window=9, sinks=True),
+    "split_k": dict(t=230, h_kv=1, lens=[230, 7, 250], rows=2, starts=[-5, 0, 100]),
+    "split_k_window": dict(t=230, h_kv=1, lens=[230, 199, 250], rows=2, window=150, sinks=True),
+}
+# The one kernel all cases run, and all a mutant instantiates.
+KERNEL = "batched_decode_attention_float32_64"
+# The cases each guard of a row's range or of the sink must fail, at least.
+CAUGHT_BY = {
+    "removed_window_bound": {"single_pass_window", "split_k_window"},
+    "removed_kv_starts_clamp": {"single_pass", "split_k"},
+    "removed_sink_term": {"single_pass", "single_pass_window", "split_k_window"},
+    "key_past_causal_end": set(CASES),
+}
 
 
 def verdict(lib: EmulatedLibrary, case) -> str | None:
     """None when the harness accepts the run, else how it failed."""
     try:
-        out = lib.attention(case.queries, case.keys, case.values, case.valid_lens, case.dtype, case.scale)
+        out = case.run(lib)
     except HarnessError as error:
         return f"harness error: {error}"
     tolerance = TOLERANCE[case.dtype]
@@ -41,20 +59,27 @@ def verdict(lib: EmulatedLibrary, case) -> str | None:
 
 def cases():
     rng = np.random.default_rng(11)
-    return {path: make_case(rng, "float32", 64, h_kv, 4, t, lens) for path, (t, h_kv, lens) in CASES.items()}
+    return {name: make_case(rng, "float32", 64, g=4, **spec) for name, spec in CASES.items()}
 
 
 def test_unmutated_kernel_passes_the_same_cases():
     lib = EmulatedLibrary(build_library())
-    assert {path: verdict(lib, case) for path, case in cases().items()} == {"single_pass": None, "split_k": None}
+    for name, case in cases().items():
+        rows = case.queries.shape[2]
+        plan = lib.plan(len(case.valid_lens), 4 * case.keys.shape[1], case.keys.shape[1], case.keys.shape[2], 64,
+                        "float32", rows=rows, window=case.window)
+        assert plan["kernel"] == KERNEL and (plan["num_splits"] > 1) == name.startswith("split_k")
+    assert {name: verdict(lib, case) for name, case in cases().items()} == dict.fromkeys(CASES)
 
 
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_mutant_fails_the_harness(name):
-    lib = EmulatedLibrary(build_library(mutant_source(name)))
-    verdicts = {path: verdict(lib, case) for path, case in cases().items()}
-    # One failing path suffices: e.g. the clamp only matters past the last split's end.
+    lib = EmulatedLibrary(build_library(mutant_source(name, [KERNEL])))
+    verdicts = {case: verdict(lib, c) for case, c in cases().items()}
+    # One failing case suffices for the others: e.g. the length clamp only matters past the last split's end.
     assert any(verdicts.values()), f"mutant {name} passed: {verdicts}"
+    failed = {case for case, v in verdicts.items() if v}
+    assert CAUGHT_BY.get(name, set()) <= failed, f"mutant {name} passed {CAUGHT_BY[name] - failed}: {verdicts}"
 
 
 def source_line(name: str, text: str) -> int:
@@ -71,8 +96,8 @@ def source_line(name: str, text: str) -> int:
     ],
 )
 def test_misused_collectives_are_reported_with_source_lines(name, report, at):
-    lib = EmulatedLibrary(build_library(mutant_source(name)))
+    lib = EmulatedLibrary(build_library(mutant_source(name, [KERNEL])))
     case = cases()["single_pass"]
     with pytest.raises(HarnessError, match=report) as error:
-        lib.attention(case.queries, case.keys, case.values, case.valid_lens, case.dtype, case.scale)
+        case.run(lib)
     assert re.search(rf"{HEADER}:{source_line(name, at)}\b", str(error.value)), str(error.value)

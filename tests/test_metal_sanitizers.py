@@ -2,11 +2,17 @@
 
 AddressSanitizer + UBSan (fiber lanes) and ThreadSanitizer (lanes as OS
 threads): the real kernel must run clean, and a mutant with the matching bug
-must be reported, which shows each sanitizer is really watching.
+must be reported, which shows each sanitizer is really watching. Under
+AddressSanitizer the K/V positions no query row attends are poisoned, so a
+read of one is reported even where it stays inside the allocation.
+
+Each build instantiates only the kernels its cases run (metal_emu/sources.py);
+the kernel header is the real one, or a mutant's.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -18,10 +24,22 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # the harness package lives next to the tests
 
 from metal_emu.build import CXX, build_library  # noqa: E402
+from metal_emu.check_cases import CASE_SETS  # noqa: E402
+from metal_emu.driver import EmulatedLibrary  # noqa: E402
 from metal_emu.mutants import mutant_source  # noqa: E402
+from metal_emu.sources import subset_source  # noqa: E402
 
 RUNTIMES = {"address": "libasan.so", "thread": "libtsan.so"}
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "WARNING: ThreadSanitizer")
+
+
+@functools.cache
+def kernels() -> tuple[str, ...]:
+    """The main kernels the launch plan picks for every case of check_cases."""
+    lib = EmulatedLibrary(build_library())
+    return tuple(sorted({lib.plan(len(c["lens"]), c["h_kv"] * c["g"], c["h_kv"], c["t"], c["d"], c["dtype"],
+                                  rows=c.get("rows", 1), window=c.get("window"))["kernel"]
+                         for cases in CASE_SETS.values() for c in cases}))
 
 
 def run_sanitized(sanitizer: str, library: Path, *args: str) -> subprocess.CompletedProcess:
@@ -38,27 +56,41 @@ def run_sanitized(sanitizer: str, library: Path, *args: str) -> subprocess.Compl
 
 @pytest.mark.parametrize("sanitizer", sorted(RUNTIMES))
 def test_kernel_runs_clean(sanitizer):
-    result = run_sanitized(sanitizer, build_library(sanitize=sanitizer))
+    poison = ("--poison-unread",) if sanitizer == "address" else ()
+    result = run_sanitized(sanitizer, build_library(subset_source(kernels()), sanitize=sanitizer), *poison)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert not [r for r in REPORTS if r in result.stderr], result.stderr[-3000:]
-    assert result.stdout.count("ok ") == 4
+    assert result.stdout.count("ok ") == len(CASE_SETS["small"])
 
 
-def test_clamped_lengths_stay_in_bounds():
-    """Lengths far past T with allocations ending at the views: no overflow report."""
-    result = run_sanitized("address", build_library(sanitize="address"), "--cases", "overlong", "--no-nan-tail")
+def test_clamped_positions_stay_in_bounds():
+    """Lengths and starts far outside [0, T], windows wider than T, with allocations
+    ending at the views and every unattended position poisoned: no report."""
+    result = run_sanitized("address", build_library(subset_source(kernels()), sanitize="address"),
+                           "--cases", "adversarial", "--no-nan-margins", "--poison-unread")
     assert result.returncode == 0 and "ERROR: AddressSanitizer" not in result.stderr, result.stderr[-3000:]
+    assert result.stdout.count("ok ") == len(CASE_SETS["adversarial"])
 
 
-def test_unclamped_length_is_a_heap_buffer_overflow():
-    library = build_library(mutant_source("removed_length_clamp"), sanitize="address")
-    result = run_sanitized("address", library, "--cases", "overlong", "--no-nan-tail")
+@pytest.mark.parametrize("mutation", ["removed_length_clamp", "removed_kv_starts_clamp"])
+def test_unclamped_position_is_a_heap_buffer_overflow(mutation):
+    """A length past T reads past the K/V allocations, a negative start before them."""
+    library = build_library(mutant_source(mutation, kernels()), sanitize="address")
+    result = run_sanitized("address", library, "--cases", "adversarial", "--no-nan-margins")
     assert result.returncode != 0
     assert "AddressSanitizer: heap-buffer-overflow" in result.stderr, result.stderr[-3000:]
 
 
+def test_read_outside_every_range_is_reported():
+    """Without the window bound, rows read keys inside the allocation that no row attends."""
+    library = build_library(mutant_source("removed_window_bound", kernels()), sanitize="address")
+    result = run_sanitized("address", library, "--poison-unread")
+    assert result.returncode != 0
+    assert "AddressSanitizer: use-after-poison" in result.stderr, result.stderr[-3000:]
+
+
 def test_missing_barrier_is_a_data_race():
-    library = build_library(mutant_source("removed_threadgroup_barrier"), sanitize="thread")
+    library = build_library(mutant_source("removed_threadgroup_barrier", kernels()), sanitize="thread")
     result = run_sanitized("thread", library)
     assert result.returncode != 0
     assert "WARNING: ThreadSanitizer: data race" in result.stderr, result.stderr[-3000:]

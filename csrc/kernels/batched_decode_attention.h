@@ -1,10 +1,18 @@
-// Batched decode attention: padded, length-driven, GQA read-once, split-K.
+// Batched decode attention: L query rows per request, each over its own range
+// of keys (causal end, kv_starts, window), sinks, GQA read-once, split-K.
 //
 // Dimensions: B requests, H_q query heads, H_kv key/value heads,
-// G = H_q / H_kv query heads per KV head, T cache positions, D head dim.
-// One threadgroup per (split, KV head x head chunk, request). Each simdgroup
-// walks its own keys; each lane owns a D-slice, so a K/V row is one vector load
-// per lane and serves all G heads of the chunk. Softmax state is float32.
+// G = H_q / H_kv query heads per KV head, L query rows per request,
+// R = G * L query rows per (request, KV head), T cache positions, D head dim.
+// Row i of request b sits at p = len_b - L + i and attends the keys
+// max(start_b, p - window + 1) .. p; a sink logit joins its softmax denominator.
+//
+// One threadgroup per (split, KV head x row chunk, request). A row chunk holds
+// bda_rows of the R rows, ordered by i and then g: its rows then cover
+// consecutive i, whose key ranges join into one interval, the only keys it
+// reads. Each simdgroup walks its own keys; each lane owns a D-slice, so a K/V
+// row is one vector load per lane and serves every row of the chunk, each row
+// masked to its own range. Softmax state is float32.
 #pragma once
 
 #include <metal_stdlib>
@@ -15,69 +23,167 @@ using namespace metal;
 
 using mlx_batched_decode::BatchedDecodeParams;
 
-// min(G, MBD_HEADS_PER_CHUNK), fixed per pipeline so that the registers of
-// heads a threadgroup never serves are compiled away.
-constant int bda_heads [[function_constant(MBD_FC_HEADS)]];
+// Query rows one threadgroup holds, fixed per pipeline so that the registers
+// of rows it never holds are compiled away.
+constant int bda_rows [[function_constant(MBD_FC_ROWS)]];
+
+// vec<T, N>; N = 1 is the scalar (MSL has no one-element vectors).
+template <typename T, int N>
+struct bda_vec {
+  typedef vec<T, N> type;
+};
+template <typename T>
+struct bda_vec<T, 1> {
+  typedef T type;
+};
+
+inline float bda_dot(float a, float b) {
+  return a * b;
+}
+inline float bda_dot(float2 a, float2 b) {
+  return dot(a, b);
+}
+inline float bda_dot(float4 a, float4 b) {
+  return dot(a, b);
+}
+inline float bda_element(float a, int) {
+  return a;
+}
+inline float bda_element(float2 a, int e) {
+  return a[e];
+}
+inline float bda_element(float4 a, int e) {
+  return a[e];
+}
 
 // exp(m - m_max) with an empty state (m = -inf) weighing 0, never NaN.
 inline float bda_weight(float m, float m_max) {
   return m == -INFINITY ? 0.0f : exp(m - m_max);
 }
 
-template <typename T, int D>
+// The factor of a row's merged accumulator (scores' max m, sum l relative to
+// m) in its output: 1 / the softmax denominator, which the sink logit (-inf
+// for none) joins; rescaled to max(m, sink) so that nothing overflows. A row
+// with no key gives 0, never NaN, with or without a sink.
+inline float bda_normalizer(float m, float l, float sink) {
+  if (m == -INFINITY) {
+    return 0.0f;
+  }
+  const float m_all = max(m, sink);
+  const float f = exp(m - m_all);
+  return f / (l * f + exp(sink - m_all));
+}
+
+// Keys [lo, hi) of one query row; empty when hi <= lo.
+struct BdaRange {
+  int lo;
+  int hi;
+};
+
+// Keys attended by row i of num_rows, in a request of len keys whose first
+// valid key is start (both in [0, T]), with window in [1, max(T, 1)].
+inline BdaRange bda_row_keys(int len, int start, int num_rows, int i, int window) {
+  const int pos = len - num_rows + i;
+  // A row before the first key has none; the test also keeps pos - window from overflowing.
+  if (pos < start) {
+    return BdaRange{0, 0};
+  }
+  return BdaRange{max(start, pos - window + 1), pos + 1};
+}
+
+// queries [B, H_q, L, D], keys and values [B, H_kv, T, D] (strided views),
+// valid_lens and kv_starts int32 [B], sinks float32 [H_q] (all strided),
+// out [B, H_q, L, D] contiguous; split-K partials float32 [B, H_q, L, splits]
+// (max, sum) and [B, H_q, L, splits, D] (acc). Head dim D: the exact one of a
+// fast kernel, the largest a generic kernel takes (its own is p.head_dim).
+template <typename T, int D, bool GENERIC>
 [[kernel]] void batched_decode_attention(
     const device T* queries [[buffer(0)]],
     const device T* keys [[buffer(1)]],
     const device T* values [[buffer(2)]],
     const device int* valid_lens [[buffer(3)]],
-    device T* out [[buffer(4)]],
-    device float* partial_acc [[buffer(5)]],
-    device float* partial_max [[buffer(6)]],
-    device float* partial_sum [[buffer(7)]],
-    constant BatchedDecodeParams& p [[buffer(8)]],
+    const device int* kv_starts [[buffer(4)]],
+    const device float* sinks [[buffer(5)]],
+    device T* out [[buffer(6)]],
+    device float* partial_acc [[buffer(7)]],
+    device float* partial_max [[buffer(8)]],
+    device float* partial_sum [[buffer(9)]],
+    constant BatchedDecodeParams& p [[buffer(10)]],
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint num_sg [[simdgroups_per_threadgroup]]) {
-  // V elements per vector load, C loads per lane and row (32 * C * V >= D).
-  constexpr int V = (D % 128 == 0) ? 4 : 2;
-  constexpr int NV = D / V;
-  constexpr int C = (NV + MBD_SIMD_WIDTH - 1) / MBD_SIMD_WIDTH;
-  constexpr int GB = MBD_HEADS_PER_CHUNK;
-  typedef vec<float, V> floatv;
-  typedef vec<T, V> loadv;
+  // V elements per vector load (scalars for a generic head dim), C loads per
+  // lane and row (32 * C * V >= D).
+  constexpr int V = GENERIC ? 1 : (D % 128 == 0 ? 4 : 2);
+  constexpr int C = (D / V + MBD_SIMD_WIDTH - 1) / MBD_SIMD_WIDTH;
+  constexpr int RB = MBD_MAX_ROWS;
+  static_assert(D % V == 0, "a fast head dim is a multiple of its vector width");
+  static_assert(MBD_MAX_SIMDGROUPS * (D + 2 * RB) * 4 <= 32768, "threadgroup memory is at most 32 KB");
+  typedef typename bda_vec<float, V>::type floatv;
+  typedef typename bda_vec<T, V>::type loadv;
+  const int dim = GENERIC ? p.head_dim : D;
+  const int nv = dim / V;
 
+  const int chunk_rows = bda_rows;
   const int split = tgid.x;
-  const int kv_head = tgid.y / p.head_chunks;
-  const int chunk = tgid.y % p.head_chunks;
+  const int kv_head = tgid.y / p.row_chunks;
+  const int first = (tgid.y % p.row_chunks) * chunk_rows;
+  const int rows = min(chunk_rows, p.gqa_factor * p.num_rows - first);
   const int b = tgid.z;
-  const int head0 = kv_head * p.gqa_factor + chunk * GB;
-  const int heads = min(GB, p.gqa_factor - chunk * GB);
 
-  // Clamped so that no length, however wrong, reads outside [0, T).
+  // Clamped so that no position, however wrong, reads outside [0, T).
   const int len = clamp(valid_lens[b * p.lens_stride], 0, p.seq_len);
-  const int begin = split * p.split_len;
-  const int end = min(begin + p.split_len, len);
+  const int start = p.has_kv_starts ? clamp(kv_starts[b * p.starts_stride], 0, p.seq_len) : 0;
 
-  floatv q[GB][C];
-  floatv acc[GB][C];
-  float m[GB];
-  float l[GB];
-  for (int g = 0; g < GB; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
+  // Row r of the chunk is row i of query head h, from (i, g) index first + r.
+  floatv q[RB][C];
+  floatv acc[RB][C];
+  float m[RB];
+  float l[RB];
+  int row_head[RB];
+  int row_i[RB];
+  int row_lo[RB];
+  int row_hi[RB];
+  int keys_lo = p.seq_len;
+  int keys_hi = 0;
+  for (int r = 0; r < RB; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+    row_head[r] = row_i[r] = row_lo[r] = row_hi[r] = 0;
     for (int c = 0; c < C; ++c) {
-      const int vi = lane + MBD_SIMD_WIDTH * c;
-      acc[g][c] = floatv(0.0f);
-      q[g][c] = floatv(0.0f);
-      if (g < bda_heads && g < heads && vi < NV) {
-        const device T* qrow =
-            queries + b * p.q_batch_stride + (head0 + g) * p.q_head_stride;
-        q[g][c] = floatv(*(const device loadv*)(qrow + vi * V)) * p.scale;
+      acc[r][c] = floatv(0.0f);
+      q[r][c] = floatv(0.0f);
+    }
+    // r < chunk_rows is known when the pipeline is built: unused rows cost no registers.
+    if (r < chunk_rows && r < rows) {
+      row_i[r] = (first + r) / p.gqa_factor;
+      row_head[r] = kv_head * p.gqa_factor + (first + r) % p.gqa_factor;
+      const BdaRange range = bda_row_keys(len, start, p.num_rows, row_i[r], p.window);
+      row_lo[r] = range.lo;
+      row_hi[r] = range.hi;
+      if (range.lo < range.hi) {
+        keys_lo = min(keys_lo, range.lo);
+        keys_hi = max(keys_hi, range.hi);
+      }
+      const device T* qrow = queries + b * p.q_batch_stride + row_head[r] * p.q_head_stride +
+          row_i[r] * p.q_row_stride;
+      for (int c = 0; c < C; ++c) {
+        const int vi = lane + MBD_SIMD_WIDTH * c;
+        if (vi < nv) {
+          q[r][c] = floatv(*(const device loadv*)(qrow + vi * V)) * p.scale;
+        }
       }
     }
   }
+
+  // This split's share of the chunk's keys, counted from its first key (the plan
+  // sizes splits by the most keys a chunk can read, not by T).
+  const int num_keys = max(keys_hi - keys_lo, 0);
+  const int offset = min(split * p.split_len, num_keys);
+  const int begin = keys_lo + offset;
+  const int end = begin + min(p.split_len, num_keys - offset);
 
   const device T* kbase = keys + b * p.k_batch_stride + kv_head * p.k_head_stride;
   const device T* vbase = values + b * p.v_batch_stride + kv_head * p.v_head_stride;
@@ -88,100 +194,110 @@ template <typename T, int D>
       const int vi = lane + MBD_SIMD_WIDTH * c;
       k[c] = floatv(0.0f);
       v[c] = floatv(0.0f);
-      if (vi < NV) {
+      if (vi < nv) {
         k[c] = floatv(*(const device loadv*)(kbase + t * p.k_seq_stride + vi * V));
         v[c] = floatv(*(const device loadv*)(vbase + t * p.v_seq_stride + vi * V));
       }
     }
-    for (int g = 0; g < GB; ++g) {
-      if (g < bda_heads && g < heads) {
+    for (int r = 0; r < RB; ++r) {
+      if (r < chunk_rows && r < rows) {
         float s = 0.0f;
         for (int c = 0; c < C; ++c) {
-          s += dot(q[g][c], k[c]);
+          s += bda_dot(q[r][c], k[c]);
         }
         s = simd_sum(s);
-        const float m_new = max(m[g], s);
-        const float factor = exp(m[g] - m_new);
-        const float prob = exp(s - m_new);
-        l[g] = l[g] * factor + prob;
-        for (int c = 0; c < C; ++c) {
-          acc[g][c] = acc[g][c] * factor + prob * v[c];
+        // Summed by every lane, used only inside the row's range: a key outside
+        // it (NaN included) never touches the row.
+        if (t >= row_lo[r] && t < row_hi[r]) {
+          const float m_new = max(m[r], s);
+          const float factor = exp(m[r] - m_new);
+          const float prob = exp(s - m_new);
+          l[r] = l[r] * factor + prob;
+          for (int c = 0; c < C; ++c) {
+            acc[r][c] = acc[r][c] * factor + prob * v[c];
+          }
+          m[r] = m_new;
         }
-        m[g] = m_new;
       }
     }
   }
 
-  // Merge the simdgroups' states, one head at a time to bound threadgroup memory.
-  threadgroup float sg_max[MBD_MAX_SIMDGROUPS][GB];
-  threadgroup float sg_sum[MBD_MAX_SIMDGROUPS][GB];
+  // Merge the simdgroups' states, one row at a time to bound threadgroup memory.
+  threadgroup float sg_max[MBD_MAX_SIMDGROUPS][RB];
+  threadgroup float sg_sum[MBD_MAX_SIMDGROUPS][RB];
   threadgroup float sg_acc[MBD_MAX_SIMDGROUPS][D];
   if (lane == 0) {
-    for (int g = 0; g < GB; ++g) {
-      sg_max[sg][g] = m[g];
-      sg_sum[sg][g] = l[g];
+    for (int r = 0; r < RB; ++r) {
+      sg_max[sg][r] = m[r];
+      sg_sum[sg][r] = l[r];
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  const int row0 = b * p.num_q_heads + head0;
-  for (int g = 0; g < GB; ++g) {
-    if (g < bda_heads && g < heads) {
+  for (int r = 0; r < RB; ++r) {
+    if (r < chunk_rows && r < rows) {
       float m_max = -INFINITY;
       for (uint s = 0; s < num_sg; ++s) {
-        m_max = max(m_max, sg_max[s][g]);
+        m_max = max(m_max, sg_max[s][r]);
       }
       float sum = 0.0f;
       for (uint s = 0; s < num_sg; ++s) {
-        sum += sg_sum[s][g] * bda_weight(sg_max[s][g], m_max);
+        sum += sg_sum[s][r] * bda_weight(sg_max[s][r], m_max);
       }
-      const float w = bda_weight(m[g], m_max);
+      const float w = bda_weight(m[r], m_max);
       for (int c = 0; c < C; ++c) {
         const int vi = lane + MBD_SIMD_WIDTH * c;
-        if (vi < NV) {
+        if (vi < nv) {
           for (int e = 0; e < V; ++e) {
-            sg_acc[sg][vi * V + e] = acc[g][c][e] * w;
+            sg_acc[sg][vi * V + e] = bda_element(acc[r][c], e) * w;
           }
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      const int row = row0 + g;
-      for (uint d = tid; d < uint(D); d += num_sg * MBD_SIMD_WIDTH) {
+      // Output rows are [B, H_q, L] in order; 64-bit, as B * H_q * L * D may pass 2^31.
+      const int64_t out_row = (int64_t(b) * p.num_q_heads + row_head[r]) * p.num_rows + row_i[r];
+      const float sink = p.has_sinks ? sinks[row_head[r] * p.sinks_stride] : -INFINITY;
+      const float norm = bda_normalizer(m_max, sum, sink);
+      for (uint d = tid; d < uint(dim); d += num_sg * MBD_SIMD_WIDTH) {
         float a = 0.0f;
         for (uint s = 0; s < num_sg; ++s) {
           a += sg_acc[s][d];
         }
         if (p.num_splits == 1) {
-          out[row * D + d] = T(sum > 0.0f ? a / sum : 0.0f);
+          out[out_row * dim + d] = T(a * norm);
         } else {
-          partial_acc[(row * p.num_splits + split) * D + d] = a;
+          partial_acc[(out_row * p.num_splits + split) * dim + d] = a;
         }
       }
       if (p.num_splits > 1 && tid == 0) {
-        partial_max[row * p.num_splits + split] = m_max;
-        partial_sum[row * p.num_splits + split] = sum;
+        partial_max[out_row * p.num_splits + split] = m_max;
+        partial_sum[out_row * p.num_splits + split] = sum;
       }
-      // sg_acc is rewritten by the next head.
+      // sg_acc is rewritten by the next row.
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
 }
 
-// Split-K second pass: merges the splits' (max, sum, acc) of one (request,
-// query head) with log-sum-exp weights. Empty splits carry max = -inf.
-template <typename T, int D>
+// Split-K second pass: merges the splits' (max, sum, acc) of one output row
+// (request, query head, row i) with log-sum-exp weights, then the sink joins
+// the denominator. Empty splits carry max = -inf; a row empty in all gives zeros.
+template <typename T, int D, bool GENERIC>
 [[kernel]] void batched_decode_attention_reduce(
-    device T* out [[buffer(4)]],
-    const device float* partial_acc [[buffer(5)]],
-    const device float* partial_max [[buffer(6)]],
-    const device float* partial_sum [[buffer(7)]],
-    constant BatchedDecodeParams& p [[buffer(8)]],
+    const device float* sinks [[buffer(5)]],
+    device T* out [[buffer(6)]],
+    const device float* partial_acc [[buffer(7)]],
+    const device float* partial_max [[buffer(8)]],
+    const device float* partial_sum [[buffer(9)]],
+    constant BatchedDecodeParams& p [[buffer(10)]],
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint3 group_size [[threads_per_threadgroup]]) {
-  const int row = tgid.z * p.num_q_heads + tgid.y;
-  const device float* maxes = partial_max + row * p.num_splits;
-  const device float* sums = partial_sum + row * p.num_splits;
+  const int dim = GENERIC ? p.head_dim : D;
+  const int head = tgid.y;
+  const int64_t out_row = (int64_t(tgid.z) * p.num_q_heads + head) * p.num_rows + tgid.x;
+  const device float* maxes = partial_max + out_row * p.num_splits;
+  const device float* sums = partial_sum + out_row * p.num_splits;
   float m_max = -INFINITY;
   for (int s = 0; s < p.num_splits; ++s) {
     m_max = max(m_max, maxes[s]);
@@ -190,11 +306,13 @@ template <typename T, int D>
   for (int s = 0; s < p.num_splits; ++s) {
     sum += sums[s] * bda_weight(maxes[s], m_max);
   }
-  for (uint d = tid; d < uint(D); d += group_size.x) {
+  const float sink = p.has_sinks ? sinks[head * p.sinks_stride] : -INFINITY;
+  const float norm = bda_normalizer(m_max, sum, sink);
+  for (uint d = tid; d < uint(dim); d += group_size.x) {
     float a = 0.0f;
     for (int s = 0; s < p.num_splits; ++s) {
-      a += partial_acc[(row * p.num_splits + s) * D + d] * bda_weight(maxes[s], m_max);
+      a += partial_acc[(out_row * p.num_splits + s) * dim + d] * bda_weight(maxes[s], m_max);
     }
-    out[row * D + d] = T(sum > 0.0f ? a / sum : 0.0f);
+    out[out_row * dim + d] = T(a * norm);
   }
 }

@@ -1,22 +1,42 @@
 // Instantiations of the batched decode attention kernels: dtype x head dim.
-// Host names: batched_decode_attention_<dtype>_<D> and
-// batched_decode_attention_reduce_<dtype>_<D> (see csrc/metal/launch_plan.h).
+// Host names (csrc/metal/launch_plan.h picks one per call):
+//   batched_decode_attention_<dtype>_<D>, batched_decode_attention_reduce_<dtype>_<D>:
+//     fast paths, D fixed at compile time, vector loads, for D in 32, 64, 80,
+//     96, 112, 128, 160, 192, 256, 512;
+//   batched_decode_attention_<dtype>_upto<N>, batched_decode_attention_reduce_<dtype>_upto<N>:
+//     the generic path for every other D in 1..512, N the smallest of 32, 64,
+//     128, 256, 512 with D <= N; D read at run time, scalar loads.
 #include "batched_decode_attention.h"
 
-#define instantiate_batched_decode_attention(tname, type, dim)          \
-  template [[host_name("batched_decode_attention_" #tname "_" #dim)]]   \
-  [[kernel]] decltype(batched_decode_attention<type, dim>)              \
-      batched_decode_attention<type, dim>;                              \
-  template [[host_name("batched_decode_attention_reduce_" #tname "_" #dim)]] \
-  [[kernel]] decltype(batched_decode_attention_reduce<type, dim>)       \
-      batched_decode_attention_reduce<type, dim>;
+#define instantiate_batched_decode_attention(tname, type, dim, suffix, generic)   \
+  template [[host_name("batched_decode_attention_" #tname "_" #suffix)]]          \
+  [[kernel]] decltype(batched_decode_attention<type, dim, generic>)              \
+      batched_decode_attention<type, dim, generic>;                              \
+  template [[host_name("batched_decode_attention_reduce_" #tname "_" #suffix)]]   \
+  [[kernel]] decltype(batched_decode_attention_reduce<type, dim, generic>)       \
+      batched_decode_attention_reduce<type, dim, generic>;
 
-#define instantiate_batched_decode_attention_dims(tname, type)  \
-  instantiate_batched_decode_attention(tname, type, 64)         \
-  instantiate_batched_decode_attention(tname, type, 80)         \
-  instantiate_batched_decode_attention(tname, type, 96)         \
-  instantiate_batched_decode_attention(tname, type, 128)        \
-  instantiate_batched_decode_attention(tname, type, 256)
+#define instantiate_fast(tname, type, dim) \
+  instantiate_batched_decode_attention(tname, type, dim, dim, false)
+#define instantiate_generic(tname, type, dim) \
+  instantiate_batched_decode_attention(tname, type, dim, upto##dim, true)
+
+#define instantiate_batched_decode_attention_dims(tname, type) \
+  instantiate_fast(tname, type, 32)                            \
+  instantiate_fast(tname, type, 64)                            \
+  instantiate_fast(tname, type, 80)                            \
+  instantiate_fast(tname, type, 96)                            \
+  instantiate_fast(tname, type, 112)                           \
+  instantiate_fast(tname, type, 128)                           \
+  instantiate_fast(tname, type, 160)                           \
+  instantiate_fast(tname, type, 192)                           \
+  instantiate_fast(tname, type, 256)                           \
+  instantiate_fast(tname, type, 512)                           \
+  instantiate_generic(tname, type, 32)                         \
+  instantiate_generic(tname, type, 64)                         \
+  instantiate_generic(tname, type, 128)                        \
+  instantiate_generic(tname, type, 256)                        \
+  instantiate_generic(tname, type, 512)
 
 instantiate_batched_decode_attention_dims(float16, half)
 instantiate_batched_decode_attention_dims(bfloat16, bfloat)

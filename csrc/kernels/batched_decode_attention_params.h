@@ -10,30 +10,40 @@
 // Compile-time limits of the kernels, also read by the launch plan.
 #define MBD_SIMD_WIDTH 32
 #define MBD_MAX_SIMDGROUPS 8
-// Query heads served by one threadgroup; G <= this reads each K/V row once.
-#define MBD_HEADS_PER_CHUNK 8
-// Function constant index of min(G, MBD_HEADS_PER_CHUNK).
-#define MBD_FC_HEADS 0
+// Query rows one threadgroup holds at most; each K/V row it reads serves them all.
+#define MBD_MAX_ROWS 8
+// Function constant index of the query rows one threadgroup holds (<= MBD_MAX_ROWS).
+#define MBD_FC_ROWS 0
 
 namespace mlx_batched_decode {
 
+// Dimensions: B requests, H_q query heads, H_kv KV heads, G = H_q / H_kv,
+// L query rows per request, T cache positions, D head dim.
 // Strides are in elements; the last axis of every tensor is contiguous.
 struct BatchedDecodeParams {
   int64_t q_batch_stride;
   int64_t q_head_stride;
+  int64_t q_row_stride;
   int64_t k_batch_stride;
   int64_t k_head_stride;
   int64_t k_seq_stride;
   int64_t v_batch_stride;
   int64_t v_head_stride;
   int64_t v_seq_stride;
-  int64_t lens_stride;  // valid_lens may be a strided or broadcast view
+  int64_t lens_stride;    // valid_lens may be a strided or broadcast view
+  int64_t starts_stride;  // kv_starts, when has_kv_starts
+  int64_t sinks_stride;   // sinks, when has_sinks
   int num_q_heads;   // H_q
   int gqa_factor;    // G = H_q / H_kv
-  int head_chunks;   // ceil(G / MBD_HEADS_PER_CHUNK)
-  int seq_len;       // T, the bound every length is clamped to
+  int num_rows;      // L
+  int head_dim;      // D (the generic kernels' loop bound)
+  int row_chunks;    // ceil(G * L / rows per threadgroup)
+  int seq_len;       // T, the bound every position is clamped to
+  int window;        // keys a row attends at most, in [1, max(T, 1)]
   int num_splits;    // sequence chunks of split-K; 1 = single pass
   int split_len;     // keys per split
+  int has_kv_starts; // 0: every request starts at key 0, kv_starts is not read
+  int has_sinks;     // 0: no sink logit, sinks is not read
   float scale;
 };
 

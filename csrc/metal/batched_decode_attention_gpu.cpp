@@ -70,6 +70,9 @@ void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::
   const mx::array& keys = inputs[1];
   const mx::array& values = inputs[2];
   const mx::array& valid_lens = inputs[3];
+  // Absent options are bound to valid_lens (every argument needs a buffer); the params say they are absent.
+  const mx::array& kv_starts = has_kv_starts_ ? inputs[4] : valid_lens;
+  const mx::array& sinks = has_sinks_ ? inputs[4 + int(has_kv_starts_)] : valid_lens;
   if (out.size() == 0) {  // B == 0: nothing to launch
     out.set_data(mx::allocator::malloc(0));
     return;
@@ -77,16 +80,18 @@ void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::
   const mx::Stream& s = stream();
   mx::metal::Device& d = mx::metal::device(s.device);
 
+  const int T = keys.shape(2);
   LaunchShape shape{
-      queries.shape(0), queries.shape(1), keys.shape(1), keys.shape(2), queries.shape(3),
-      kernel_dtype(queries.dtype()), /* max_threads_per_group, set below */ MBD_SIMD_WIDTH};
+      queries.shape(0), queries.shape(1), keys.shape(1), queries.shape(2), T, queries.shape(3),
+      effective_window(window_, T), kernel_dtype(queries.dtype()),
+      /* max_threads_per_group, set below */ MBD_SIMD_WIDTH, has_kv_starts_, has_sinks_};
   MTL::Library* library = d.get_library("mlx_batched_decode", module_dir());
   // Names and function constants don't depend on the thread limit, which comes from the pipeline.
   const LaunchPlan provisional = make_launch_plan(shape);
-  int heads = provisional.heads_per_group;
-  const mx::metal::MTLFCList constants = {{&heads, MTL::DataType::DataTypeInt, MBD_FC_HEADS}};
+  int rows = provisional.rows_per_group;
+  const mx::metal::MTLFCList constants = {{&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS}};
   MTL::ComputePipelineState* kernel = d.get_kernel(
-      provisional.kernel, library, provisional.kernel + "_heads" + std::to_string(heads), constants);
+      provisional.kernel, library, provisional.kernel + "_rows" + std::to_string(rows), constants);
   shape.max_threads_per_group = int(kernel->maxTotalThreadsPerThreadgroup());
   const LaunchPlan plan = make_launch_plan(shape);
   mx::check_kernel_threadgroup_size(kernel, to_mtl(plan.group), plan.kernel);
@@ -94,9 +99,10 @@ void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::
   check_alignment(queries, "queries", plan.vector_width);
   check_alignment(keys, "keys", plan.vector_width);
   check_alignment(values, "values", plan.vector_width);
-  const InputStrides strides{queries.strides(0), queries.strides(1), keys.strides(0),
-                             keys.strides(1),    keys.strides(2),    values.strides(0),
-                             values.strides(1),  values.strides(2),  valid_lens.strides(0)};
+  const InputStrides strides{queries.strides(0), queries.strides(1), queries.strides(2),
+                             keys.strides(0),    keys.strides(1),    keys.strides(2),
+                             values.strides(0),  values.strides(1),  values.strides(2),
+                             valid_lens.strides(0), kv_starts.strides(0), sinks.strides(0)};
   const BatchedDecodeParams params = make_params(shape, plan, strides, scale_);
 
   out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -126,6 +132,8 @@ void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::
   encoder.set_input_array(keys, kKeys);
   encoder.set_input_array(values, kValues);
   encoder.set_input_array(valid_lens, kValidLens);
+  encoder.set_input_array(kv_starts, kKvStarts);
+  encoder.set_input_array(sinks, kSinks);
   encoder.set_output_array(out, kOut);
   // Single pass never touches the partials, but every kernel argument must be bound.
   encoder.set_output_array(split ? partials[0] : out, kPartialAcc);
@@ -138,6 +146,7 @@ void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::
     MTL::ComputePipelineState* reduce = d.get_kernel(plan.reduce_kernel, library);
     mx::check_kernel_threadgroup_size(reduce, to_mtl(plan.reduce_group), plan.reduce_kernel);
     encoder.set_compute_pipeline_state(reduce);
+    encoder.set_input_array(sinks, kSinks);
     encoder.set_output_array(out, kOut);
     encoder.set_input_array(partials[0], kPartialAcc);
     encoder.set_input_array(partials[1], kPartialMax);

@@ -1,10 +1,15 @@
 // Launch plan of the batched decode attention Metal kernels. Plain C++17 so
 // that the Metal launcher and the Linux emulation harness dispatch the kernels
-// in exactly the same way. Shapes only: lengths stay on the device.
+// in exactly the same way. Shapes only: lengths and starts stay on the device.
+//
+// Dimensions: B requests, H_q query heads, H_kv KV heads, G = H_q / H_kv,
+// L query rows per request, R = G * L rows per (request, KV head),
+// T cache positions, D head dim.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -14,15 +19,19 @@ namespace mlx_batched_decode {
 
 enum class KernelDtype { float16, bfloat16, float32 };
 
-/** Shapes a launch depends on. B, H_q, H_kv, T, D as in the op's contract. */
+/** Shapes and static options a launch depends on, as in the op's contract. */
 struct LaunchShape {
   int batch;                 // B
   int num_q_heads;           // H_q
   int num_kv_heads;          // H_kv
+  int num_rows;              // L
   int seq_len;               // T (capacity of the K/V views, not a length)
   int head_dim;              // D
+  int window;                // effective_window(window, T): in [1, max(T, 1)]
   KernelDtype dtype;
   int max_threads_per_group; // the pipeline's maxTotalThreadsPerThreadgroup
+  bool has_kv_starts;
+  bool has_sinks;
 };
 
 struct Size3 {
@@ -35,27 +44,30 @@ enum BufferIndex : int {
   kKeys = 1,
   kValues = 2,
   kValidLens = 3,
-  kOut = 4,
-  kPartialAcc = 5,
-  kPartialMax = 6,
-  kPartialSum = 7,
-  kParams = 8,
+  kKvStarts = 4,
+  kSinks = 5,
+  kOut = 6,
+  kPartialAcc = 7,
+  kPartialMax = 8,
+  kPartialSum = 9,
+  kParams = 10,
 };
 
 struct LaunchPlan {
-  std::string kernel;        // main pass, one threadgroup per (split, KV head x chunk, request)
+  std::string kernel;        // main pass, one threadgroup per (split, KV head x row chunk, request)
   std::string reduce_kernel; // split-K merge; empty when num_splits == 1
   Size3 grid;                // threadgroups of the main pass
   Size3 group;               // threads per threadgroup of the main pass
-  Size3 reduce_grid;         // threadgroups of the reduction: (1, H_q, B)
+  Size3 reduce_grid;         // threadgroups of the reduction: (L, H_q, B)
   Size3 reduce_group;
   int num_splits;
   int split_len;
-  int head_chunks;
-  int heads_per_group;       // function constant MBD_FC_HEADS of the main pass
-  int vector_width;          // elements per vector load: K/V/Q strides must be multiples
-  uint64_t partial_acc_elems;   // float32 [B, H_q, splits, D]; 0 when single pass
-  uint64_t partial_stats_elems; // float32 [B, H_q, splits] for max and for sum
+  int keys_span;             // most keys one row chunk reads: min(T, window + L - 1)
+  int rows_per_group;        // function constant MBD_FC_ROWS of the main pass
+  int row_chunks;            // ceil(R / rows_per_group)
+  int vector_width;          // elements per vector load: Q/K/V strides must be multiples
+  uint64_t partial_acc_elems;   // float32 [B, H_q, L, splits, D]; 0 when single pass
+  uint64_t partial_stats_elems; // float32 [B, H_q, L, splits] for max and for sum
 };
 
 // Split-K aims for this many threadgroups (a few per GPU core on Apple silicon).
@@ -63,6 +75,13 @@ constexpr int kTargetThreadgroups = 128;
 // Fewer keys per split would make the reduction cost more than it saves.
 constexpr int kMinKeysPerSplit = 64;
 constexpr int kMaxSplits = 64;
+// Floats of query rows one lane keeps in registers (as many again for the
+// accumulators): bounds the rows per threadgroup of the widest head dims.
+constexpr int kLaneQueryFloats = 64;
+// Head dims with a kernel of their own, and the buckets of the generic kernels
+// (the last one is the largest head dim of all).
+constexpr int kFastHeadDims[] = {32, 64, 80, 96, 112, 128, 160, 192, 256, 512};
+constexpr int kGenericHeadDims[] = {32, 64, 128, 256, 512};
 
 inline const char* dtype_name(KernelDtype dtype) {
   switch (dtype) {
@@ -76,84 +95,122 @@ inline const char* dtype_name(KernelDtype dtype) {
   throw std::invalid_argument("[batched_decode_attention] unknown dtype");
 }
 
-inline bool is_supported_head_dim(int d) {
-  return d == 64 || d == 80 || d == 96 || d == 128 || d == 256;
+inline bool is_fast_head_dim(int d) {
+  return std::find(std::begin(kFastHeadDims), std::end(kFastHeadDims), d) != std::end(kFastHeadDims);
+}
+
+/** The head dim a kernel is compiled for: D itself, or the generic bucket holding D. */
+inline int kernel_head_dim(int head_dim) {
+  if (is_fast_head_dim(head_dim)) {
+    return head_dim;
+  }
+  return *std::find_if(std::begin(kGenericHeadDims), std::end(kGenericHeadDims),
+                       [&](int n) { return head_dim <= n; });
 }
 
 /** Elements per vector load for head dim D; mirrors the kernel's choice. */
 inline int vector_width(int head_dim) {
+  if (!is_fast_head_dim(head_dim)) {
+    return 1;
+  }
   return head_dim % 128 == 0 ? 4 : 2;
 }
 
-inline int ceil_div(int a, int b) {
-  return (a + b - 1) / b;
+inline int ceil_div(int64_t a, int64_t b) {
+  return int((a + b - 1) / b);
+}
+
+/** Host name of the main (or reduce) kernel for a dtype and head dim. */
+inline std::string kernel_name(KernelDtype dtype, int head_dim, bool reduce) {
+  const std::string dim = is_fast_head_dim(head_dim)
+      ? std::to_string(head_dim)
+      : "upto" + std::to_string(kernel_head_dim(head_dim));
+  return std::string(reduce ? "batched_decode_attention_reduce_" : "batched_decode_attention_") +
+      dtype_name(dtype) + "_" + dim;
 }
 
 /** The launch of both passes, from shapes and the device's thread limit. */
 inline LaunchPlan make_launch_plan(const LaunchShape& s) {
-  const char* prefix = "[batched_decode_attention] ";
-  if (s.batch < 1 || s.num_q_heads < 1 || s.num_kv_heads < 1 || s.seq_len < 0) {
-    throw std::invalid_argument(std::string(prefix) + "B, H_q and H_kv must be positive and T >= 0");
+  const std::string prefix = "[batched_decode_attention] ";
+  if (s.batch < 1 || s.num_q_heads < 1 || s.num_kv_heads < 1 || s.num_rows < 1 || s.seq_len < 0) {
+    throw std::invalid_argument(prefix + "B, H_q, H_kv and L must be positive and T >= 0");
   }
   if (s.num_q_heads % s.num_kv_heads != 0) {
-    throw std::invalid_argument(std::string(prefix) + "H_q must be a multiple of H_kv");
+    throw std::invalid_argument(prefix + "H_q must be a multiple of H_kv");
   }
-  if (!is_supported_head_dim(s.head_dim)) {
+  if (s.head_dim < 1 || s.head_dim > std::end(kGenericHeadDims)[-1]) {
     throw std::invalid_argument(
-        std::string(prefix) + "head dim " + std::to_string(s.head_dim) +
-        " has no Metal kernel (64, 80, 96, 128, 256)");
+        prefix + "head dim " + std::to_string(s.head_dim) + " has no Metal kernel (1 to 512)");
+  }
+  if (s.window < 1 || s.window > std::max(s.seq_len, 1)) {
+    throw std::invalid_argument(
+        prefix + "window " + std::to_string(s.window) + " must be in [1, max(T, 1)] (effective_window)");
   }
   if (s.max_threads_per_group < MBD_SIMD_WIDTH) {
     throw std::invalid_argument(
-        std::string(prefix) + "the pipeline allows " +
-        std::to_string(s.max_threads_per_group) + " threads per threadgroup, the kernel needs " +
-        std::to_string(MBD_SIMD_WIDTH));
+        prefix + "the pipeline allows " + std::to_string(s.max_threads_per_group) +
+        " threads per threadgroup, the kernel needs " + std::to_string(MBD_SIMD_WIDTH));
   }
   LaunchPlan p{};
-  const std::string suffix = std::string(dtype_name(s.dtype)) + "_" + std::to_string(s.head_dim);
-  p.kernel = "batched_decode_attention_" + suffix;
+  p.kernel = kernel_name(s.dtype, s.head_dim, false);
   p.vector_width = vector_width(s.head_dim);
 
-  const int gqa = s.num_q_heads / s.num_kv_heads;
-  p.head_chunks = ceil_div(gqa, MBD_HEADS_PER_CHUNK);
-  p.heads_per_group = std::min(gqa, MBD_HEADS_PER_CHUNK);
+  // The kernel counts rows (and the grid its row chunks) in 32 bits.
+  if (int64_t(s.num_q_heads) * s.num_rows > std::numeric_limits<int>::max()) {
+    throw std::invalid_argument(prefix + "H_q * L = " + std::to_string(int64_t(s.num_q_heads) * s.num_rows) +
+                                " query rows per request is more than the Metal kernel counts");
+  }
+  const int64_t rows = int64_t(s.num_q_heads / s.num_kv_heads) * s.num_rows;
+  // Registers per lane and query row: the compiled head dim over 32 lanes, in whole loads.
+  const int lane_floats =
+      ceil_div(kernel_head_dim(s.head_dim), int64_t(MBD_SIMD_WIDTH) * p.vector_width) * p.vector_width;
+  p.rows_per_group = int(std::min<int64_t>(
+      {rows, MBD_MAX_ROWS, std::max(1, kLaneQueryFloats / lane_floats)}));
+  p.row_chunks = ceil_div(rows, p.rows_per_group);
   const int simdgroups =
       std::min(MBD_MAX_SIMDGROUPS, s.max_threads_per_group / MBD_SIMD_WIDTH);
+  // A chunk's rows cover at most L consecutive positions, each reading at most window keys.
+  p.keys_span = int(std::min<int64_t>(s.seq_len, int64_t(s.window) + s.num_rows - 1));
 
-  // Split the sequence only when (request, KV head, chunk) items can't fill the GPU.
-  const int64_t items = int64_t(s.batch) * s.num_kv_heads * p.head_chunks;
+  // Split the keys only when (request, KV head, row chunk) items can't fill the GPU.
+  const int64_t items = int64_t(s.batch) * s.num_kv_heads * p.row_chunks;
   int splits = 1;
   if (items < kTargetThreadgroups) {
     splits = int(std::max<int64_t>(1, std::min<int64_t>(
         {(kTargetThreadgroups + items - 1) / items,
-         int64_t(s.seq_len / kMinKeysPerSplit),
+         int64_t(p.keys_span / kMinKeysPerSplit),
          int64_t(kMaxSplits)})));
   }
-  p.split_len = std::max(1, ceil_div(s.seq_len, splits));
-  // Recount so that no split starts at or past T.
-  p.num_splits = std::max(1, ceil_div(s.seq_len, p.split_len));
+  p.split_len = std::max(1, ceil_div(p.keys_span, splits));
+  // Recount so that no split starts at or past the span.
+  p.num_splits = std::max(1, ceil_div(p.keys_span, p.split_len));
 
-  p.grid = {uint64_t(p.num_splits), uint64_t(s.num_kv_heads) * p.head_chunks, uint64_t(s.batch)};
+  p.grid = {uint64_t(p.num_splits), uint64_t(s.num_kv_heads) * p.row_chunks, uint64_t(s.batch)};
   p.group = {uint64_t(simdgroups) * MBD_SIMD_WIDTH, 1, 1};
   if (p.num_splits > 1) {
-    p.reduce_kernel = "batched_decode_attention_reduce_" + suffix;
-    p.reduce_grid = {1, uint64_t(s.num_q_heads), uint64_t(s.batch)};
+    p.reduce_kernel = kernel_name(s.dtype, s.head_dim, true);
+    p.reduce_grid = {uint64_t(s.num_rows), uint64_t(s.num_q_heads), uint64_t(s.batch)};
     const int reduce_threads = std::min(
         ceil_div(s.head_dim, MBD_SIMD_WIDTH) * MBD_SIMD_WIDTH,
         s.max_threads_per_group / MBD_SIMD_WIDTH * MBD_SIMD_WIDTH);
     p.reduce_group = {uint64_t(reduce_threads), 1, 1};
-    p.partial_stats_elems = uint64_t(s.batch) * s.num_q_heads * p.num_splits;
+    p.partial_stats_elems = uint64_t(s.batch) * s.num_q_heads * s.num_rows * p.num_splits;
     p.partial_acc_elems = p.partial_stats_elems * s.head_dim;
   }
   return p;
 }
 
-/** Strides (in elements) of queries [B,H_q,1,D], keys/values [B,H_kv,T,D], valid_lens [B]. */
+/**
+ * Strides (in elements) of queries [B, H_q, L, D], keys/values [B, H_kv, T, D],
+ * valid_lens [B], kv_starts [B] and sinks [H_q] (the last two: any value when absent).
+ */
 struct InputStrides {
-  int64_t q_batch, q_head;
+  int64_t q_batch, q_head, q_row;
   int64_t k_batch, k_head, k_seq;
   int64_t v_batch, v_head, v_seq;
   int64_t lens;
+  int64_t starts;
+  int64_t sinks;
 };
 
 /** Kernel arguments for a plan; throws when a stride breaks the vector loads. */
@@ -165,18 +222,27 @@ inline BatchedDecodeParams make_params(
   // A size-1 axis is never stepped along, whatever stride the view reports.
   InputStrides st = strides;
   if (s.batch == 1) {
-    st.q_batch = st.k_batch = st.v_batch = st.lens = 0;
+    st.q_batch = st.k_batch = st.v_batch = st.lens = st.starts = 0;
   }
   if (s.num_q_heads == 1) {
-    st.q_head = 0;
+    st.q_head = st.sinks = 0;
   }
   if (s.num_kv_heads == 1) {
     st.k_head = st.v_head = 0;
   }
+  if (s.num_rows == 1) {
+    st.q_row = 0;
+  }
   if (s.seq_len <= 1) {
     st.k_seq = st.v_seq = 0;
   }
-  const int64_t all[] = {st.q_batch, st.q_head, st.k_batch, st.k_head,
+  if (!s.has_kv_starts) {
+    st.starts = 0;
+  }
+  if (!s.has_sinks) {
+    st.sinks = 0;
+  }
+  const int64_t all[] = {st.q_batch, st.q_head, st.q_row,  st.k_batch, st.k_head,
                          st.k_seq,   st.v_batch, st.v_head, st.v_seq};
   for (int64_t v : all) {
     if (v % plan.vector_width != 0) {
@@ -188,6 +254,7 @@ inline BatchedDecodeParams make_params(
   BatchedDecodeParams p{};
   p.q_batch_stride = st.q_batch;
   p.q_head_stride = st.q_head;
+  p.q_row_stride = st.q_row;
   p.k_batch_stride = st.k_batch;
   p.k_head_stride = st.k_head;
   p.k_seq_stride = st.k_seq;
@@ -195,12 +262,19 @@ inline BatchedDecodeParams make_params(
   p.v_head_stride = st.v_head;
   p.v_seq_stride = st.v_seq;
   p.lens_stride = st.lens;
+  p.starts_stride = st.starts;
+  p.sinks_stride = st.sinks;
   p.num_q_heads = s.num_q_heads;
   p.gqa_factor = s.num_q_heads / s.num_kv_heads;
-  p.head_chunks = plan.head_chunks;
+  p.num_rows = s.num_rows;
+  p.head_dim = s.head_dim;
+  p.row_chunks = plan.row_chunks;
   p.seq_len = s.seq_len;
+  p.window = s.window;
   p.num_splits = plan.num_splits;
   p.split_len = plan.split_len;
+  p.has_kv_starts = s.has_kv_starts ? 1 : 0;
+  p.has_sinks = s.has_sinks ? 1 : 0;
   p.scale = scale;
   return p;
 }

@@ -16,8 +16,12 @@ as C++20 by g++ and executed lane by lane:
   reached by only some lanes and skipped barriers; threadgroup memory is
   filled with NaN before each threadgroup;
 - ``launcher.cpp`` dispatches with ``csrc/metal/launch_plan.h``, the plan the
-  Metal launcher uses; ``build.py`` compiles and caches the library;
-  ``driver.py`` calls it through ctypes.
+  Metal launcher uses, and in AddressSanitizer builds poisons memory (K/V
+  positions no query row attends); ``build.py`` compiles and caches the
+  library; ``driver.py`` calls it through ctypes;
+- ``sources.py`` copies the kernel sources for builds of fewer kernels or with
+  one injected bug (``mutants.py``); ``cases.py``, ``check_cases.py`` and
+  ``reference.py`` (float64) make and check the tests' inputs.
 
 What it cannot show: that Apple's compiler accepts the source, GPU speed, and
 races between threadgroups (they run one after another).

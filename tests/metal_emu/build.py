@@ -2,7 +2,8 @@
 
 The cache key is the hash of everything that goes into the library (pre-passed
 kernel, harness sources, flags, compiler), so an edit rebuilds and a rerun of
-the suite does not.
+the suite does not. The runtime and launcher objects are cached per flags and
+linked into every kernel's library, so a mutant only compiles its kernel.
 """
 
 from __future__ import annotations
@@ -44,10 +45,13 @@ def _harness_files() -> list[Path]:
 
 
 def _compile(flags: list[str], source: Path, obj: Path) -> None:
-    cmd = ["nice", CXX, *flags, *INCLUDES, "-c", str(source), "-o", str(obj)]
+    """Compiles ``source`` to ``obj``, atomically: a concurrent build sees all or nothing."""
+    partial = obj.with_name(f".{obj.name}.{os.getpid()}")
+    cmd = ["nice", CXX, *flags, *INCLUDES, "-c", str(source), "-o", str(partial)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise BuildError(f"{' '.join(cmd)}\n{result.stderr}")
+    os.replace(partial, obj)
 
 
 def build_library(kernel_source: Path = KERNEL_SOURCE, sanitize: str | None = None) -> Path:
@@ -58,24 +62,27 @@ def build_library(kernel_source: Path = KERNEL_SOURCE, sanitize: str | None = No
     translated = prepass(Path(kernel_source), [Path(kernel_source).resolve().parent])
     flags = BASE_FLAGS + (SANITIZERS[sanitize] if sanitize else OPTIMIZED)
     version = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256()
-    for part in [translated, " ".join(flags), version] + [f.read_text() for f in _harness_files()]:
-        digest.update(part.encode())
-    target = CACHE / digest.hexdigest()[:24] / "libmetal_emu.so"
+    harness = hashlib.sha256()
+    for part in [" ".join(flags), version] + [f.read_text() for f in _harness_files()]:
+        harness.update(part.encode())
+    target = CACHE / hashlib.sha256((harness.hexdigest() + translated).encode()).hexdigest()[:24] / "libmetal_emu.so"
     if target.exists():
         return target
 
+    # The runtime and launcher objects depend on the flags only: every kernel shares them.
+    shared = CACHE / "harness" / harness.hexdigest()[:24]
+    shared.mkdir(parents=True, exist_ok=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=target.parent))
     try:
         kernel_cpp = work / "kernel.cpp"
         kernel_cpp.write_text(translated)
-        sources = [kernel_cpp, HARNESS / "runtime.cpp", HARNESS / "launcher.cpp"]
-        objects = [work / f"{s.stem}.o" for s in sources]
+        jobs = [(kernel_cpp, work / "kernel.o")] + [
+            (HARNESS / name, shared / f"{Path(name).stem}.o") for name in ("runtime.cpp", "launcher.cpp")]
         with ThreadPoolExecutor(max_workers=2) as pool:
-            list(pool.map(lambda so: _compile(flags, *so), zip(sources, objects)))
+            list(pool.map(lambda job: _compile(flags, *job), [job for job in jobs if not job[1].exists()]))
         library = work / target.name
-        link = ["nice", CXX, "-shared", *flags, *map(str, objects), "-o", str(library)]
+        link = ["nice", CXX, "-shared", *flags, *(str(obj) for _, obj in jobs), "-o", str(library)]
         result = subprocess.run(link, capture_output=True, text=True)
         if result.returncode != 0:
             raise BuildError(f"{' '.join(link)}\n{result.stderr}")

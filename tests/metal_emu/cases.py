@@ -1,4 +1,8 @@
-"""Inputs of the emulated-kernel tests: ragged batches read through strided views."""
+"""Inputs of the emulated-kernel tests: ragged batches read through strided views.
+
+Dimensions: B requests, H_q/H_kv query/KV heads, G = H_q / H_kv, L query rows
+per request, T positions, D head dim.
+"""
 
 from __future__ import annotations
 
@@ -6,45 +10,74 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .reference import reference_attention, to_dtype, to_float64
+from .reference import reference_attention, row_range, to_dtype, to_float64
 
 
 @dataclass
 class Case:
-    """One call: storage arrays (views into larger buffers) and their float64 values."""
+    """One call: storage arrays (views into larger buffers), the op's options
+    (None when absent) and their float64 values."""
 
     dtype: str
-    queries: np.ndarray
-    keys: np.ndarray
-    values: np.ndarray
-    valid_lens: np.ndarray
+    queries: np.ndarray  # [B, H_q, L, D]
+    keys: np.ndarray  # [B, H_kv, T, D]
+    values: np.ndarray  # [B, H_kv, T, D]
+    valid_lens: np.ndarray  # int32 [B]
     scale: float
+    kv_starts: np.ndarray | None = None  # int32 [B]
+    window: int | None = None
+    sinks: np.ndarray | None = None  # float32 [H_q]
+
+    def run(self, lib, **kwargs) -> np.ndarray:
+        """The emulated kernels' output [B, H_q, L, D] in the storage dtype;
+        ``kwargs`` go to ``EmulatedLibrary.attention``."""
+        return lib.attention(self.queries, self.keys, self.values, self.valid_lens, self.dtype, self.scale,
+                             kv_starts=self.kv_starts, window=self.window, sinks=self.sinks, **kwargs)
 
     def reference(self) -> np.ndarray:
-        """float64 output [B, H_q, 1, D] of the inputs as rounded to ``dtype``."""
+        """float64 output [B, H_q, L, D] of the inputs as rounded to ``dtype``."""
         return reference_attention(
             to_float64(self.queries, self.dtype), to_float64(self.keys, self.dtype),
-            to_float64(self.values, self.dtype), self.valid_lens, self.scale)
+            to_float64(self.values, self.dtype), self.valid_lens, self.scale, self.kv_starts, self.window,
+            None if self.sinks is None else self.sinks.astype(np.float64))
 
 
-def make_case(rng: np.random.Generator, dtype: str, d: int, h_kv: int, g: int, t: int,
-              lens: list[int], extra_capacity: int = 5) -> Case:
-    """Keys/values are ``cache[:, :, :t]`` of a cache with ``extra_capacity`` more
-    positions, their padding (every position past a request's length) filled
-    with NaN and inf; queries are every other row of a larger buffer."""
+def attended(lens, starts, rows: int, t: int, window: int | None) -> np.ndarray:
+    """bool [B, T]: the positions some query row of each request attends."""
+    mask = np.zeros((len(lens), t), dtype=bool)
+    for b, n in enumerate(lens):
+        length = int(np.clip(n, 0, t))
+        start = 0 if starts is None else int(np.clip(starts[b], 0, t))
+        for i in range(rows):
+            lo, hi = row_range(length, start, rows, i, window)
+            mask[b, lo:max(lo, hi)] = True
+    return mask
+
+
+def make_case(rng: np.random.Generator, dtype: str, d: int, h_kv: int, g: int, t: int, lens: list[int],
+              extra_capacity: int = 5, *, rows: int = 1, starts: list[int] | None = None,
+              window: int | None = None, sinks: bool = False) -> Case:
+    """Keys/values are ``cache[:, :, :t]`` of a cache with ``extra_capacity``
+    more positions; every position no query row of a request attends is NaN
+    (keys) and inf (values), the extra ones included. Queries are every other
+    row of a larger buffer; sinks (when asked for) every other element of one."""
     b = len(lens)
     cache_k = rng.standard_normal((b, h_kv, t + extra_capacity, d))
     cache_v = rng.standard_normal((b, h_kv, t + extra_capacity, d))
-    for i, n in enumerate(lens):
-        valid = int(np.clip(n, 0, t))
-        cache_k[i, :, valid:] = np.nan
-        cache_v[i, :, valid:] = np.inf
-    q_buffer = to_dtype(rng.standard_normal((b, h_kv * g, 2, d)), dtype)
+    unread = np.ones((b, t + extra_capacity), dtype=bool)
+    unread[:, :t] = ~attended(lens, starts, rows, t, window)
+    cache_k.transpose(0, 2, 1, 3)[unread] = np.nan
+    cache_v.transpose(0, 2, 1, 3)[unread] = np.inf
+    q_buffer = to_dtype(rng.standard_normal((b, h_kv * g, 2 * rows, d)), dtype)
+    sink_buffer = (1.5 * rng.standard_normal(2 * h_kv * g)).astype(np.float32)
     return Case(
         dtype=dtype,
-        queries=q_buffer[:, :, 1:2],
+        queries=q_buffer[:, :, 1::2],
         keys=to_dtype(cache_k, dtype)[:, :, :t],
         values=to_dtype(cache_v, dtype)[:, :, :t],
         valid_lens=np.array(lens, dtype=np.int32),
         scale=float(d) ** -0.5,
+        kv_starts=None if starts is None else np.array(starts, dtype=np.int32),
+        window=window,
+        sinks=sink_buffer[::2] if sinks else None,
     )

@@ -1,8 +1,8 @@
 """Runs a fixed set of small cases through a harness library and checks them.
 
 A separate process, so that a sanitizer build can be loaded under LD_PRELOAD:
-``python -m metal_emu.check_cases LIBRARY [--cases SET] [--no-nan-tail] [--backend threads]
-[--max-threads N]``.
+``python -m metal_emu.check_cases LIBRARY [--cases SET] [--no-nan-margins] [--poison-unread]
+[--backend threads] [--max-threads N]``.
 Prints one line per case; exits non-zero on a mismatch.
 """
 
@@ -13,21 +13,29 @@ from pathlib import Path
 
 import numpy as np
 
-from .cases import make_case
+from .cases import attended, make_case
 from .driver import EmulatedLibrary
 from .reference import TOLERANCE, to_float64
 
-# (dtype, D, H_kv, G, T, lengths): both paths, every dtype, clamped lengths.
+# make_case arguments. Both launch paths, every dtype, fast and generic head
+# dims, L > 1, kv_starts, windows, sinks, rows with no key, clamped positions.
 CASE_SETS = {
     "small": [
-        ("float16", 64, 2, 4, 24, [24, 0, 1, 3, 30, -2]),
-        ("bfloat16", 80, 1, 8, 140, [140, 5, 0, 200]),
-        ("float32", 256, 1, 1, 130, [129, 64, 1]),
-        ("float32", 96, 1, 12, 20, [20, 2]),
+        dict(dtype="float16", d=64, h_kv=2, g=4, t=24, lens=[24, 0, 1, 3, 30, -2]),
+        dict(dtype="bfloat16", d=80, h_kv=1, g=3, t=140, lens=[140, 5, 0, 200], rows=3, window=130, sinks=True),
+        dict(dtype="float32", d=256, h_kv=1, g=1, t=130, lens=[129, 64, 1], rows=5, starts=[3, -4, 0], sinks=True),
+        dict(dtype="float32", d=96, h_kv=1, g=12, t=20, lens=[20, 2], rows=2, starts=[25, 1], window=4),
+        dict(dtype="float16", d=24, h_kv=1, g=2, t=70, lens=[70, 9], rows=8, starts=[2, 3], window=7, sinks=True),
     ],
-    # Lengths far past T; 2 splits of 66 keys end past T = 131, so an unclamped
-    # kernel reads past the K/V allocations.
-    "overlong": [("float32", 64, 1, 1, 131, [131, 10_000])],
+    # Positions far outside [0, T], a window wider than T, more rows than keys.
+    # Splits of 66 keys end past T = 131, so an unclamped length reads past the
+    # K/V allocations, an unclamped negative start before them.
+    "adversarial": [
+        dict(dtype="float32", d=64, h_kv=1, g=1, t=131, lens=[131, 10_000]),
+        dict(dtype="float32", d=64, h_kv=1, g=2, t=131, lens=[131, 2**31 - 1, -(2**31), 5, 131], rows=3,
+             starts=[-(2**31), -7, 2**31 - 1, 200, 130], window=10**6),
+        dict(dtype="float16", d=48, h_kv=2, g=1, t=131, lens=[131, 3], rows=9, starts=[-5, -1], window=2, sinks=True),
+    ],
 }
 
 
@@ -35,18 +43,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("library", type=Path)
     parser.add_argument("--cases", choices=sorted(CASE_SETS), default="small")
-    parser.add_argument("--no-nan-tail", action="store_true")
+    parser.add_argument("--no-nan-margins", action="store_true")
+    parser.add_argument("--poison-unread", action="store_true",
+                        help="AddressSanitizer reports a read of any K/V position no query row attends")
     parser.add_argument("--backend", choices=["fibers", "threads"], default="fibers")
     parser.add_argument("--max-threads", type=int, default=1024, help="the pipeline's thread limit")
     args = parser.parse_args()
     lib = EmulatedLibrary(args.library)
     rng = np.random.default_rng(5)
-    for dtype, d, h_kv, g, t, lens in CASE_SETS[args.cases]:
-        case = make_case(rng, dtype, d, h_kv, g, t, lens, extra_capacity=0)
-        out = lib.attention(case.queries, case.keys, case.values, case.valid_lens, dtype, case.scale,
-                            max_threads=args.max_threads, backend=args.backend, nan_tail=not args.no_nan_tail)
-        np.testing.assert_allclose(to_float64(out, dtype), case.reference(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-        print(f"ok {dtype} D={d} H_kv={h_kv} G={g} T={t} lens={lens}")
+    for spec in CASE_SETS[args.cases]:
+        case = make_case(rng, extra_capacity=0, **spec)
+        unread = None
+        if args.poison_unread:
+            unread = ~attended(case.valid_lens, case.kv_starts, case.queries.shape[2], case.keys.shape[2], case.window)
+        out = case.run(lib, max_threads=args.max_threads, backend=args.backend,
+                       nan_margins=not args.no_nan_margins, unreadable=unread)
+        np.testing.assert_allclose(to_float64(out, case.dtype), case.reference(), atol=TOLERANCE[case.dtype],
+                                   rtol=TOLERANCE[case.dtype])
+        print("ok", " ".join(f"{k}={v}" for k, v in spec.items()))
 
 
 if __name__ == "__main__":

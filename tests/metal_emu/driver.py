@@ -1,9 +1,10 @@
 """ctypes front end of the harness library: the launch plan and emulated calls.
 
-Arrays follow the op's contract: queries [B, H_q, 1, D], keys/values
-[B, H_kv, T, D] (any strides, last axis contiguous), valid_lens int32 [B].
-float16 and float32 are numpy arrays of that dtype; bfloat16 travels as the
-raw uint16 bits (numpy has no bfloat16), see ``reference.to_dtype``.
+Arrays follow the op's contract: queries [B, H_q, L, D], keys/values
+[B, H_kv, T, D] (any strides, last axis contiguous), valid_lens and kv_starts
+int32 [B], sinks float32 [H_q] (any stride). float16 and float32 are numpy
+arrays of that dtype; bfloat16 travels as the raw uint16 bits (numpy has no
+bfloat16), see ``reference.to_dtype``.
 """
 
 from __future__ import annotations
@@ -34,28 +35,37 @@ class Plan(ctypes.Structure):
         ("reduce_group", ctypes.c_ulonglong * 3),
         ("num_splits", ctypes.c_int),
         ("split_len", ctypes.c_int),
-        ("head_chunks", ctypes.c_int),
-        ("heads_per_group", ctypes.c_int),
+        ("keys_span", ctypes.c_int),
+        ("rows_per_group", ctypes.c_int),
+        ("row_chunks", ctypes.c_int),
         ("vector_width", ctypes.c_int),
         ("partial_acc_elems", ctypes.c_ulonglong),
         ("partial_stats_elems", ctypes.c_ulonglong),
     ]
 
 
-def _device_copy(view: np.ndarray, nan_tail: bool) -> np.ndarray:
-    """Copy of the memory ``view`` spans (from its first element), optionally
-    followed by NaN bytes as wide again.
+def effective_window(window: int | None, t: int) -> int:
+    """The window the kernels apply, as ``effective_window`` in csrc/batched_decode_attention.h:
+    ``window`` when set and shorter than T, else T (1 when T == 0)."""
+    return window if window is not None and 0 < window < t else max(t, 1)
 
-    With the tail, reads past the view land in its own padding or in NaN, so an
-    unclamped length shows up in the result; without it, the allocation ends
-    with the view, for AddressSanitizer to report such reads.
+
+def _device_copy(view: np.ndarray, nan_margins: bool) -> tuple[np.ndarray, int]:
+    """A buffer holding the memory ``view`` spans (from its first element) and
+    the address of that first element in it.
+
+    With margins, NaN bytes as wide as the span lie before and after it, so a
+    read before or past the view lands in its own padding or in NaN and shows
+    up in the result; without them, the allocation is exactly the span, for
+    AddressSanitizer to report such reads.
     """
-    if min(view.strides) < 0:
+    if min(view.strides, default=0) < 0:
         raise ValueError("negative strides are not supported")
     span = int((np.array(view.shape) - 1) @ np.array(view.strides)) + view.itemsize if view.size else 0
-    buffer = np.full(max(1, 2 * span if nan_tail else span), 0xFF, dtype=np.uint8)
-    ctypes.memmove(buffer.ctypes.data, view.ctypes.data, span)
-    return buffer
+    margin = span if nan_margins else 0
+    buffer = np.full(max(1, span + 2 * margin), 0xFF, dtype=np.uint8)
+    ctypes.memmove(buffer.ctypes.data + margin, view.ctypes.data, span)
+    return buffer, buffer.ctypes.data + margin
 
 
 class EmulatedLibrary:
@@ -63,12 +73,12 @@ class EmulatedLibrary:
 
     def __init__(self, path: Path):
         self._lib = ctypes.CDLL(str(path))
-        self._lib.mbd_emu_plan.argtypes = [ctypes.POINTER(ctypes.c_int * 7), ctypes.POINTER(Plan),
+        self._lib.mbd_emu_plan.argtypes = [ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(Plan),
                                            ctypes.c_char_p, ctypes.c_int]
+        self._lib.mbd_emu_poison.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_int]
         self._lib.mbd_emu_attention.argtypes = [
-            ctypes.POINTER(ctypes.c_int * 7), ctypes.POINTER(ctypes.c_longlong * 9),
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_float, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+            ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(ctypes.c_longlong * 12),
+            *[ctypes.c_void_p] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
 
     def dispatch(self, kernel: str, buffers: list[np.ndarray], grid: tuple, group: tuple,
                  constants: dict[int, int] | None = None, backend: str = "fibers") -> None:
@@ -85,13 +95,18 @@ class EmulatedLibrary:
             raise HarnessError(error.value.decode())
 
     @staticmethod
-    def _shape(b, h_q, h_kv, t, d, dtype, max_threads):
-        return (ctypes.c_int * 7)(b, h_q, h_kv, t, d, DTYPES[dtype], max_threads)
+    def _shape(b, h_q, h_kv, rows, t, d, window, dtype, max_threads, has_kv_starts, has_sinks):
+        return (ctypes.c_int * 11)(b, h_q, h_kv, rows, t, d, window, DTYPES[dtype], max_threads,
+                                   int(has_kv_starts), int(has_sinks))
 
-    def plan(self, b: int, h_q: int, h_kv: int, t: int, d: int, dtype: str, max_threads: int = 1024) -> dict:
-        """The shared launch plan (csrc/metal/launch_plan.h) as a dict."""
+    def plan(self, b: int, h_q: int, h_kv: int, t: int, d: int, dtype: str, max_threads: int = 1024, *,
+             rows: int = 1, window: int | None = None, effective: int | None = None) -> dict:
+        """The shared launch plan (csrc/metal/launch_plan.h) as a dict, for ``rows`` = L query
+        rows and ``window`` (None: none); ``effective`` passes the plan a window as is."""
         out, error = Plan(), ctypes.create_string_buffer(1024)
-        if self._lib.mbd_emu_plan(self._shape(b, h_q, h_kv, t, d, dtype, max_threads), out, error, 1024):
+        window = effective_window(window, t) if effective is None else effective
+        if self._lib.mbd_emu_plan(self._shape(b, h_q, h_kv, rows, t, d, window, dtype, max_threads, False, False),
+                                  out, error, 1024):
             raise HarnessError(error.value.decode())
         plan = {name: getattr(out, name) for name, _ in Plan._fields_}
         for name in ("kernel", "reduce_kernel"):
@@ -101,34 +116,61 @@ class EmulatedLibrary:
         return plan
 
     def attention(self, queries: np.ndarray, keys: np.ndarray, values: np.ndarray, valid_lens: np.ndarray,
-                  dtype: str, scale: float, max_threads: int = 1024, backend: str = "fibers",
-                  nan_tail: bool = True) -> np.ndarray:
-        """Runs the emulated kernels; returns the [B, H_q, 1, D] output in the storage dtype.
+                  dtype: str, scale: float, *, kv_starts: np.ndarray | None = None, window: int | None = None,
+                  sinks: np.ndarray | None = None, max_threads: int = 1024, backend: str = "fibers",
+                  nan_margins: bool = True, unreadable: np.ndarray | None = None) -> np.ndarray:
+        """Runs the emulated kernels; returns the [B, H_q, L, D] output in the storage dtype.
 
-        ``max_threads`` plays the pipeline's maxTotalThreadsPerThreadgroup;
-        ``backend`` is "fibers" (deterministic) or "threads"; ``nan_tail``, see
-        ``_device_copy``.
+        ``kv_starts``, ``window`` (an int >= 1) and ``sinks``: the op's options,
+        None when absent; ``max_threads`` plays the pipeline's
+        maxTotalThreadsPerThreadgroup; ``backend`` is "fibers" (deterministic)
+        or "threads"; ``nan_margins``, see ``_device_copy``; ``unreadable``, bool
+        [B, T]: K/V positions (all heads) that AddressSanitizer reports any read
+        of (an AddressSanitizer build only).
         """
-        b, h_q, _, d = queries.shape
+        b, h_q, rows, d = queries.shape
         h_kv, t = keys.shape[1], keys.shape[2]
+        if window is not None and window < 1:
+            raise ValueError("window must be >= 1, or None for no window")
         for name, array in (("queries", queries), ("keys", keys), ("values", values)):
             if array.dtype != STORAGE[dtype] or (array.size and array.strides[-1] != array.itemsize):
                 raise ValueError(f"{name}: expected {STORAGE[dtype].__name__} with a contiguous last axis")
         itemsize = queries.itemsize
-        strides = [queries.strides[0], queries.strides[1], *keys.strides[:3], *values.strides[:3]]
+        strides = [*queries.strides[:3], *keys.strides[:3], *values.strides[:3]]
         if any(s % itemsize for s in strides):
             raise ValueError("strides must be whole elements")
-        if valid_lens.dtype != np.int32:
-            raise ValueError("valid_lens must be int32")
-        copies = [_device_copy(a, nan_tail) for a in (queries, keys, values, valid_lens)]
+        for name, array, kind in (("valid_lens", valid_lens, np.int32), ("kv_starts", kv_starts, np.int32),
+                                  ("sinks", sinks, np.float32)):
+            if array is not None and (array.dtype != kind or array.strides[0] % 4):
+                raise ValueError(f"{name} must be {kind.__name__} with a stride of whole elements")
+        # The buffers stay alive in ``copies`` while the kernels read them at ``addresses``.
+        copies = [None if a is None else _device_copy(a, nan_margins)
+                  for a in (queries, keys, values, valid_lens, kv_starts, sinks)]
+        addresses = [None if c is None else c[1] for c in copies]
+        option_strides = [0 if a is None else a.strides[0] // 4 for a in (kv_starts, sinks)]
         # Poisoned output: an element the kernel never writes stays NaN.
-        out = np.full((b, h_q, 1, d), 0xFFFF if dtype == "bfloat16" else np.nan, dtype=STORAGE[dtype])
+        out = np.full((b, h_q, rows, d), 0xFFFF if dtype == "bfloat16" else np.nan, dtype=STORAGE[dtype])
         error = ctypes.create_string_buffer(4096)
+        if unreadable is not None:
+            self._poison(copies[1:3], [keys, values], unreadable)
         status = self._lib.mbd_emu_attention(
-            self._shape(b, h_q, h_kv, t, d, dtype, max_threads),
-            (ctypes.c_longlong * 9)(*(s // itemsize for s in strides), valid_lens.strides[0] // 4),
-            *(c.ctypes.data for c in copies), out.ctypes.data,
-            scale, BACKENDS[backend], error, 4096)
+            self._shape(b, h_q, h_kv, rows, t, d, effective_window(window, t), dtype, max_threads,
+                        kv_starts is not None, sinks is not None),
+            (ctypes.c_longlong * 12)(*(s // itemsize for s in strides), valid_lens.strides[0] // 4, *option_strides),
+            *addresses, out.ctypes.data, scale, BACKENDS[backend], error, 4096)
+        if unreadable is not None:
+            for buffer, _ in copies[1:3]:
+                self._lib.mbd_emu_poison(buffer.ctypes.data, buffer.nbytes, 0)
         if status:
             raise HarnessError(error.value.decode())
         return out
+
+    def _poison(self, copies, views, unreadable: np.ndarray) -> None:
+        """Poisons the rows of positions ``unreadable`` [B, T] in the device copies of K/V views."""
+        for (_, address), view in zip(copies, views):
+            row = view.shape[3] * view.itemsize
+            for b, t in zip(*np.nonzero(unreadable)):
+                for h in range(view.shape[1]):
+                    start = address + int(b * view.strides[0] + h * view.strides[1] + t * view.strides[2])
+                    if self._lib.mbd_emu_poison(start, row, 1):
+                        raise HarnessError("unreadable positions need an AddressSanitizer build")

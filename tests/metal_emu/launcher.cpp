@@ -10,6 +10,10 @@
 #include "emu_runtime.h"
 #include "metal/launch_plan.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
+
 using namespace mlx_batched_decode;
 
 namespace {
@@ -22,8 +26,8 @@ int report(const std::string& message, char* error, int error_len) {
   return 1;
 }
 
-LaunchShape to_shape(const int s[7]) {
-  return LaunchShape{s[0], s[1], s[2], s[3], s[4], KernelDtype(s[5]), s[6]};
+LaunchShape to_shape(const int s[11]) {
+  return LaunchShape{s[0], s[1], s[2], s[3], s[4], s[5], s[6], KernelDtype(s[7]), s[8], s[9] != 0, s[10] != 0};
 }
 
 void copy3(const Size3& s, unsigned out[3]) {
@@ -41,12 +45,13 @@ struct MbdPlan {
   char kernel[96];
   char reduce_kernel[96];
   unsigned long long grid[3], group[3], reduce_grid[3], reduce_group[3];
-  int num_splits, split_len, head_chunks, heads_per_group, vector_width;
+  int num_splits, split_len, keys_span, rows_per_group, row_chunks, vector_width;
   unsigned long long partial_acc_elems, partial_stats_elems;
 };
 
-/** shape = {B, H_q, H_kv, T, D, dtype (0 f16, 1 bf16, 2 f32), max threads}. */
-int mbd_emu_plan(const int shape[7], MbdPlan* out, char* error, int error_len) {
+/** shape = {B, H_q, H_kv, L, T, D, window (effective), dtype (0 f16, 1 bf16, 2 f32),
+ * max threads, has kv_starts, has sinks}. */
+int mbd_emu_plan(const int shape[11], MbdPlan* out, char* error, int error_len) {
   try {
     const LaunchPlan p = make_launch_plan(to_shape(shape));
     std::memset(out, 0, sizeof(*out));
@@ -61,8 +66,9 @@ int mbd_emu_plan(const int shape[7], MbdPlan* out, char* error, int error_len) {
     }
     out->num_splits = p.num_splits;
     out->split_len = p.split_len;
-    out->head_chunks = p.head_chunks;
-    out->heads_per_group = p.heads_per_group;
+    out->keys_span = p.keys_span;
+    out->rows_per_group = p.rows_per_group;
+    out->row_chunks = p.row_chunks;
     out->vector_width = p.vector_width;
     out->partial_acc_elems = p.partial_acc_elems;
     out->partial_stats_elems = p.partial_stats_elems;
@@ -73,21 +79,23 @@ int mbd_emu_plan(const int shape[7], MbdPlan* out, char* error, int error_len) {
 }
 
 /**
- * Emulated batched decode attention. strides = {q batch, q head, k batch,
- * k head, k seq, v batch, v head, v seq, lens} in elements; out is a contiguous
- * [B, H_q, 1, D] buffer of the queries' dtype. backend: 0 fibers, 1 threads.
+ * Emulated batched decode attention. strides = {q batch, q head, q row, k batch,
+ * k head, k seq, v batch, v head, v seq, lens, starts, sinks} in elements;
+ * kv_starts and sinks may be null when the shape says they are absent; out is
+ * a contiguous [B, H_q, L, D] buffer of the queries' dtype. backend: 0 fibers,
+ * 1 threads.
  */
-int mbd_emu_attention(const int shape[7], const long long strides[9], const void* queries,
-                      const void* keys, const void* values, const int* valid_lens, void* out,
-                      float scale, int backend, char* error, int error_len) {
+int mbd_emu_attention(const int shape[11], const long long strides[12], const void* queries,
+                      const void* keys, const void* values, const int* valid_lens, const int* kv_starts,
+                      const float* sinks, void* out, float scale, int backend, char* error, int error_len) {
   try {
     const LaunchShape s = to_shape(shape);
     if (s.batch == 0) {  // as eval_gpu: nothing to launch
       return 0;
     }
     const LaunchPlan plan = make_launch_plan(s);
-    const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4],
-                          strides[5], strides[6], strides[7], strides[8]};
+    const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
+                          strides[6], strides[7], strides[8], strides[9], strides[10], strides[11]};
     BatchedDecodeParams params = make_params(s, plan, st, scale);
 
     // NaN-filled partials: a split that wrote nothing shows up in the result.
@@ -101,6 +109,9 @@ int mbd_emu_attention(const int shape[7], const long long strides[9], const void
     buffers[kKeys] = const_cast<void*>(keys);
     buffers[kValues] = const_cast<void*>(values);
     buffers[kValidLens] = const_cast<int*>(valid_lens);
+    // As eval_gpu: an absent option is bound to valid_lens, and the params say it is absent.
+    buffers[kKvStarts] = s.has_kv_starts ? const_cast<int*>(kv_starts) : const_cast<int*>(valid_lens);
+    buffers[kSinks] = s.has_sinks ? static_cast<void*>(const_cast<float*>(sinks)) : const_cast<int*>(valid_lens);
     buffers[kOut] = out;
     // Single pass never touches the partials; Metal still wants every argument bound.
     const bool split = plan.num_splits > 1;
@@ -112,9 +123,9 @@ int mbd_emu_attention(const int shape[7], const long long strides[9], const void
     unsigned grid[3], group[3];
     copy3(plan.grid, grid);
     copy3(plan.group, group);
-    const emu::ConstantValue heads{MBD_FC_HEADS, &plan.heads_per_group, sizeof(int)};
+    const emu::ConstantValue rows{MBD_FC_ROWS, &plan.rows_per_group, sizeof(int)};
     std::string problem =
-        emu::dispatch(plan.kernel.c_str(), buffers, kParams + 1, grid, group, emu::Backend(backend), &heads, 1);
+        emu::dispatch(plan.kernel.c_str(), buffers, kParams + 1, grid, group, emu::Backend(backend), &rows, 1);
     if (problem.empty() && split) {
       copy3(plan.reduce_grid, grid);
       copy3(plan.reduce_group, group);
@@ -124,6 +135,25 @@ int mbd_emu_attention(const int shape[7], const long long strides[9], const void
   } catch (const std::exception& e) {
     return report(e.what(), error, error_len);
   }
+}
+
+/**
+ * Makes [address, address + bytes) unreadable (poison != 0) or readable again
+ * for AddressSanitizer, which then reports any read there; returns 1 in a build
+ * without AddressSanitizer.
+ */
+int mbd_emu_poison([[maybe_unused]] void* address, [[maybe_unused]] unsigned long long bytes,
+                   [[maybe_unused]] int poison) {
+#if defined(__SANITIZE_ADDRESS__)
+  if (poison) {
+    __asan_poison_memory_region(address, bytes);
+  } else {
+    __asan_unpoison_memory_region(address, bytes);
+  }
+  return 0;
+#else
+  return 1;
+#endif
 }
 
 /** Any registered kernel, with raw buffers bound at indices 0..count-1 and

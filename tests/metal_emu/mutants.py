@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
-from .build import CACHE, KERNEL_SOURCE
-
-HEADER = "batched_decode_attention.h"
+from .build import CACHE
+from .sources import kernel_sources
 
 # name: (original text, replacement)
 MUTATIONS = {
     "removed_threadgroup_barrier": (
-        "      threadgroup_barrier(mem_flags::mem_threadgroup);\n      const int row = row0 + g;\n",
-        "      const int row = row0 + g;\n",
+        "      threadgroup_barrier(mem_flags::mem_threadgroup);\n      // Output rows are",
+        "      // Output rows are",
     ),
     "removed_length_clamp": (
         "const int len = clamp(valid_lens[b * p.lens_stride], 0, p.seq_len);",
@@ -24,23 +23,35 @@ MUTATIONS = {
         "        if (lane < 16) { s = simd_sum(s); }\n",
     ),
     "unwritten_threadgroup_slot": (
-        "      sg_sum[sg][g] = l[g];\n",
-        "      if (sg + 1 < num_sg) { sg_sum[sg][g] = l[g]; }\n",
+        "      sg_sum[sg][r] = l[r];\n",
+        "      if (sg + 1 < num_sg) { sg_sum[sg][r] = l[r]; }\n",
     ),
     "simdgroup_returns_before_barrier": (
         "  threadgroup float sg_max[",
         "  if (sg == 1) { return; }\n  threadgroup float sg_max[",
     ),
+    # A window of T keys is no window.
+    "removed_window_bound": (
+        "row_i[r], p.window);",
+        "row_i[r], p.seq_len);",
+    ),
+    "removed_kv_starts_clamp": (
+        "clamp(kv_starts[b * p.starts_stride], 0, p.seq_len)",
+        "kv_starts[b * p.starts_stride]",
+    ),
+    "removed_sink_term": (
+        "l * f + exp(sink - m_all)",
+        "l * f",
+    ),
+    "key_past_causal_end": (
+        "pos + 1};",
+        "pos + 2};",
+    ),
 }
 
-def mutant_source(name: str) -> Path:
-    """A copy of the kernel sources with mutation ``name`` applied exactly once."""
-    original, replacement = MUTATIONS[name]
-    directory = CACHE / "mutants" / name  # stable path: the build cache keys on it
-    shutil.rmtree(directory, ignore_errors=True)
-    shutil.copytree(KERNEL_SOURCE.parent, directory)
-    header = directory / HEADER
-    text = header.read_text()
-    assert text.count(original) == 1, f"mutation {name} no longer matches the kernel source"
-    header.write_text(text.replace(original, replacement))
-    return directory / KERNEL_SOURCE.name
+
+def mutant_source(name: str, kernels: Iterable[str] | None = None) -> Path:
+    """A copy of the kernel sources with mutation ``name`` applied exactly once,
+    instantiating only the main kernels ``kernels`` (None: all), see ``sources``."""
+    # A stable path: the build cache keys on it.
+    return kernel_sources(CACHE / "mutants" / name, kernels, MUTATIONS[name])
