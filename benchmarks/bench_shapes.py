@@ -8,6 +8,8 @@ each group's calls and a read-bandwidth probe timed in turns, the median of --ro
   faster, and GB/s of the bytes read within 10% of the unwindowed call's.
 - rows: B=8, 512-2048 keys, L = 1, 2, 4, 8 query rows per request over the same cache.
   Target: L=4 at most 1.5x the time of L=1, L=8 at most 2x (float16; bfloat16 and float32 too).
+  On a CPU with AMX, "rows ... vector" repeats the 16-bit groups with the kernel variant that
+  has no tiles (avx512bf16), to show what the tiles are worth.
 - sinks: the rows cache at L=1 with and without sinks. Target: no measurable cost.
 - head dims: B=8, 512-2048 keys, D = 32, 64, 256, 512 (and generic 48, 200). Target: D=32 and
   D=512 at least 70% of the GB/s of D=64 and D=256.
@@ -15,7 +17,7 @@ each group's calls and a read-bandwidth probe timed in turns, the median of --ro
 GB/s counts the K/V bytes each call reads (the keys its rows attend). Every timed output is
 checked against reference_attention.
 
-    python benchmarks/bench_shapes.py              # every group, 3 rounds (about 10 minutes)
+    python benchmarks/bench_shapes.py              # every group, 3 rounds (about 6 minutes)
     python benchmarks/bench_shapes.py --rounds 1   # one round
 """
 
@@ -103,7 +105,14 @@ def window_group(probe):
     return rows, huge
 
 
-def rows_group(probe, dtype_name):
+def rows_group(probe, dtype_name, isa=None):
+    if isa is not None:
+        previous = _ext.cpu_isa()
+        _ext.set_cpu_isa(isa)
+        try:
+            return rows_group(probe, dtype_name)
+        finally:
+            _ext.set_cpu_isa(previous)
     B, D = 8, 128
     lens_np = uniform_lengths(B)
     kv, huge = kv_buffers(B, int(lens_np.max()), D, DTYPES[dtype_name], layers=4)
@@ -155,6 +164,9 @@ GROUPS = {
     "sinks": sinks_group,
     "head dims": head_dim_group,
 }
+if "amx" in _ext.cpu_isas():
+    GROUPS["rows float16 vector"] = lambda probe: rows_group(probe, "float16", "avx512bf16")
+    GROUPS["rows bfloat16 vector"] = lambda probe: rows_group(probe, "bfloat16", "avx512bf16")
 MEASURED = ("ms", "gbs", "bw_gbs", "frac_bw", "speedup", "gbs_vs_full", "vs_first", "gbs_vs", "max_err")
 
 
