@@ -57,7 +57,8 @@ def test_matches_float64(dtype, D, G, L):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_long_requests_and_layouts(dtype):
     # Several 512-key items per request, lengths not a multiple of the 32-key block, and the
-    # cache read through a prefix view, a [B, T, H_kv, D] transpose and a strided last axis.
+    # cache read through a prefix view, a [B, T, H_kv, D] transpose, a strided last axis and a
+    # negative position stride.
     rng = np.random.default_rng(4)
     B, H_kv, G, L, D, cap = 3, 2, 4, 4, 128, 1200
     q = mx.array(rng.standard_normal((B, H_kv * G, L, D)).astype(np.float32)).astype(dtype)
@@ -70,6 +71,9 @@ def test_long_requests_and_layouts(dtype):
             mx.contiguous(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)[:, :, :1101] for x in (k, v)
         ),
         "strided last axis": tuple(mx.repeat(x, 2, axis=-1)[..., ::2][:, :, :1101] for x in (k, v)),
+        "positions reversed in memory": tuple(
+            mx.contiguous(x[:, :, ::-1])[:, :, ::-1][:, :, :1101] for x in (k, v)
+        ),
     }
     expected = numpy_reference(q, k[:, :, :1101], v[:, :, :1101], lens, kv_starts=starts, window=700)
     for name, (k_in, v_in) in layouts.items():

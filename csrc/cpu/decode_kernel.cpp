@@ -2,6 +2,7 @@
 // set (see CMakeLists.txt); MBD_CPU_ISA names the namespace of each copy.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -272,7 +273,8 @@ struct AmxItem {
     amx::Scratch& s = tls_amx;
     load(kh, a.k_stride);
     // Whole blocks of bfloat16 keys in rows of whole 32-element chunks are
-    // read by the tile loads in place.
+    // read by the tile loads in place, when their row stride fits the tile
+    // loads' 32-bit byte stride.
     const uint16_t* keys = s.k_hi.data();
     int64_t k_stride = Dq;
     // The next block's rows are requested during this block's softmax.
@@ -282,7 +284,8 @@ struct AmxItem {
       if (!amx::split_keys(rows, n, Dp, Dq, s)) {
         return false;
       }
-    } else if (n == kBlock && Dp == Dq && rows[1] == rows[0] + a.k_stride[2]) {
+    } else if (n == kBlock && Dp == Dq && rows[1] == rows[0] + a.k_stride[2] &&
+               std::abs(a.k_stride[2]) < (int64_t{1} << 30)) {
       keys = reinterpret_cast<const uint16_t*>(rows[0]);
       k_stride = a.k_stride[2];
     } else {
