@@ -102,11 +102,13 @@ bool gathered(const int64_t* stride) {
 
 // Points rows[j] at position t + j of a [T, D] head, for j < n: in place
 // when the last axis is contiguous, else gathered into block, the D elements
-// of a row zero-padded to Dp. Rows n to the next multiple of 4 repeat row
-// n - 1, so the scoring can run on whole groups of four; their scores are
-// never read.
+// of a row zero-padded to Dp. A gathered row has no fixed successor for the
+// vector loops to request, so the row one block on is requested here, for
+// t + j + kBlock < end. Rows n to the next multiple of 4 repeat row n - 1, so
+// the scoring can run on whole groups of four; their scores are never read.
 template <typename T, int D>
-void load_block(const DecodeArgs& a, const T* head, const int64_t* stride, int t, int n, T* block, const T** rows) {
+void load_block(
+    const DecodeArgs& a, const T* head, const int64_t* stride, int t, int n, int end, T* block, const T** rows) {
   const int Dp = D ? D : a.Dp;
   for (int j = 0; j < n; ++j) {
     const T* row = head + (t + j) * stride[2];
@@ -114,9 +116,19 @@ void load_block(const DecodeArgs& a, const T* head, const int64_t* stride, int t
       rows[j] = row;
       continue;
     }
+    if (t + j + kBlock < end) {
+      const T* ahead = row + kBlock * stride[2];
+      for (int i = 0; i < a.D; i += 64 / static_cast<int>(sizeof(T))) {
+        __builtin_prefetch(ahead + i * stride[3], 0, 1);
+      }
+    }
     T* copy = block + j * Dp;
-    for (int i = 0; i < a.D; ++i) {
-      copy[i] = row[i * stride[3]];
+    if (stride[3] == 1) {
+      std::copy_n(row, a.D, copy);
+    } else {
+      for (int i = 0; i < a.D; ++i) {
+        copy[i] = row[i * stride[3]];
+      }
     }
     std::fill(copy + a.D, copy + Dp, T(0.0f));
     rows[j] = copy;
@@ -366,7 +378,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if constexpr (kAmx<T>) {
       if (tiles.block(a, kh, vh, t, n, k_next, v_next, rows, st, [&](const T* head, const int64_t* stride) {
-            load_block<T, D>(a, head, stride, t, n, block, rows);
+            load_block<T, D>(a, head, stride, t, n, t1, block, rows);
           })) {
         continue;
       }
@@ -374,7 +386,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
 #endif
     // Each key row is read once and scored against all R query rows, two at a
     // time (four with the bfloat16 dot product).
-    load_block<T, D>(a, kh, a.k_stride, t, n, block, rows);
+    load_block<T, D>(a, kh, a.k_stride, t, n, t1, block, rows);
     for (int j = 0; j < n; j += 4) {
       const Lookahead ahead{k_next.offset, k_next.rows - j};
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -414,7 +426,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     }
 
     // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.
-    load_block<T, D>(a, vh, a.v_stride, t, n, block, rows);
+    load_block<T, D>(a, vh, a.v_stride, t, n, t1, block, rows);
     if (masked) {
       for_row_tiles<4>(R, [&]<int H>(int r) {
         accumulate_rows<D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, masks + r);
