@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness package lives next to the tests
 
-from metal_emu.build import CXX, KERNEL_SOURCE, build_library, kernel_text, metal_source  # noqa: E402
+from metal_emu.build import CXX, build_library, kernel_text, metal_source  # noqa: E402
 from metal_emu.cases import make_case  # noqa: E402
 from metal_emu.driver import EmulatedLibrary, HarnessError  # noqa: E402
 from metal_emu.reference import TOLERANCE, to_float64  # noqa: E402
@@ -149,8 +149,3 @@ def test_generator_refuses_non_ascii(tmp_path):
     entry.write_text("// d\u00e9j\u00e0 vu\n", encoding="utf-8")
     with pytest.raises(metal_source.SourceError, match="ASCII"):
         metal_source.flatten([entry])
-
-
-def test_kernel_source_is_the_one_entry():
-    """CMake embeds every .metal file of csrc/kernels, the harness the one it knows: they must agree."""
-    assert sorted(KERNEL_SOURCE.parent.glob("*.metal")) == [KERNEL_SOURCE]

@@ -1,9 +1,10 @@
 """Builds the emulated kernel library: flatten, pre-pass, then g++ (C++20), cached.
 
-A ``.metal`` file is first flattened by cmake/metal_source.py, the generator of
-the source embedded in ``_ext``, so the harness compiles the text
-``mlx_batched_decode.metal_source()`` returns (it is kept next to the library
-as ``source.metal``). The cache key is the hash of everything that goes into
+Kernel sources are first flattened by cmake/metal_source.py, the generator of
+the source embedded in ``_ext``: for the kernel directory, every ``.metal``
+file in it in name order, as CMake passes them, so the harness compiles the
+text ``mlx_batched_decode.metal_source()`` returns (it is kept next to the
+library as ``source.metal``). The cache key is the hash of everything that goes into
 the library (pre-passed kernel, harness sources, flags, compiler), so an edit
 rebuilds and a rerun of the suite does not. The runtime and launcher objects
 are cached per flags and linked into every kernel's library, so a mutant only
@@ -26,7 +27,7 @@ from .prepass import prepass
 
 HARNESS = Path(__file__).resolve().parent
 REPO = HARNESS.parents[1]
-KERNEL_SOURCE = REPO / "csrc" / "kernels" / "batched_decode_attention.metal"
+KERNEL_DIR = REPO / "csrc" / "kernels"
 CACHE = Path(os.environ.get("MLX_BATCHED_DECODE_EMU_CACHE", Path(tempfile.gettempdir()) / "mlx_batched_decode_emu"))
 
 _spec = importlib.util.spec_from_file_location("metal_source", REPO / "cmake" / "metal_source.py")
@@ -64,9 +65,11 @@ class BuildError(Exception):
     """g++ or the pre-pass rejected the kernel; the message holds the diagnostics."""
 
 
-def kernel_text(source: Path = KERNEL_SOURCE) -> str:
-    """The flattened Metal source of a ``.metal`` file: for KERNEL_SOURCE, the text ``_ext`` embeds."""
-    return metal_source.flatten([Path(source)])
+def kernel_text(source: Path = KERNEL_DIR) -> str:
+    """The flattened Metal source of a ``.metal`` file, or of a directory's (CMake's
+    glob of ``*.metal``, in name order): for KERNEL_DIR, the text ``_ext`` embeds."""
+    source = Path(source)
+    return metal_source.flatten(sorted(source.glob("*.metal")) if source.is_dir() else [source])
 
 
 def _harness_files() -> list[Path]:
@@ -86,9 +89,10 @@ def _compile(flags: list[str], source: Path, obj: Path) -> None:
     os.replace(partial, obj)
 
 
-def build_library(source: Path | str = KERNEL_SOURCE, sanitize: str | None = None) -> Path:
-    """Path of the shared library running ``source`` on the CPU: a .metal file
-    (flattened first) or an already flattened Metal text.
+def build_library(source: Path | str = KERNEL_DIR, sanitize: str | None = None) -> Path:
+    """Path of the shared library running ``source`` on the CPU: a .metal file or
+    a directory of them (flattened first, see ``kernel_text``), or an already
+    flattened Metal text.
 
     ``sanitize``: None, "address" (AddressSanitizer + UBSan), "thread"
     (ThreadSanitizer) or "loads" (counts the bytes the kernels load, see

@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from .build import KERNEL_SOURCE, kernel_text
+from .build import KERNEL_DIR, kernel_text
 
 HEADER = "batched_decode_attention.h"
 MSL_TYPES = {"float16": "half", "bfloat16": "bfloat", "float32": "float"}
@@ -49,10 +49,10 @@ def kernel_sources(directory: Path, kernels: Iterable[str] | None = None,
     (replaced if there) with the header edit ``(original, replacement)``
     applied exactly once, compiling only the main kernels ``kernels`` (None: all)."""
     shutil.rmtree(directory, ignore_errors=True)
-    shutil.copytree(KERNEL_SOURCE.parent, directory)
+    shutil.copytree(KERNEL_DIR, directory)
     if edit is not None:
         _replace_once(directory / HEADER, *edit)
-    text = kernel_text(directory / KERNEL_SOURCE.name)
+    text = kernel_text(directory)
     return text if kernels is None else library_source(text, kernels)
 
 
