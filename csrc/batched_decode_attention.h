@@ -30,8 +30,10 @@ inline constexpr int kMaxHeadDim = 512;
 //   scale      defaults to 1/sqrt(D)
 // Row i of request b sits at position p = len_b - L + i and attends keys
 // max(start_b, p - window + 1, 0) .. p. Returns [B, H_q, L, D] in the queries'
-// dtype; a row with no key gives zeros. Malformed arguments throw
-// std::invalid_argument (ValueError in Python).
+// dtype; a row with no key gives zeros. Non-finite values in a row's range
+// propagate as in a float32 softmax: a NaN score makes the row NaN, and a row
+// whose scores are all -inf (with no finite sink) is 0/0 = NaN, on every
+// backend. Malformed arguments throw std::invalid_argument (ValueError in Python).
 mx::array batched_decode_attention(
     const mx::array& queries,
     const mx::array& keys,

@@ -10,6 +10,8 @@
 #include "cpu/parallel_decode.h"
 #include "cpu/worker_pool.h"
 #include "huge_pages.h"
+#include "metal_backend.h"
+#include "metal_source.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -68,7 +70,8 @@ Args:
 
 Returns:
     array: [B, H_q, L, D] in the queries' dtype, accumulated in float32. A
-    row with no key to attend gets zeros.
+    row with no key to attend gets zeros; a row whose scores are all -inf
+    (and no finite sink) gets NaN, a softmax of -inf logits only.
 
 Raises:
     ValueError: malformed arguments, before any work is queued.)");
@@ -114,6 +117,32 @@ Returns:
 
 Raises:
     ValueError: the array is not evaluated.)");
+
+  m.def(
+      "metal_source",
+      [] { return std::string(mbd::metal_source()); },
+      nb::sig("def metal_source() -> str"),
+      R"(The Metal kernels' source, as embedded in this extension (every platform).
+
+One ASCII text that includes nothing but ``<metal_stdlib>``: the .metal files
+and headers of csrc/kernels with their includes resolved. The metallib is built
+from it where Apple's Metal compiler runs; otherwise the GPU path compiles it at
+first use, one dtype and head dim at a time. On Linux the tests run this very
+text through the emulation harness.)");
+
+  m.def(
+      "metal_backend",
+      [] {
+        const char* name = mbd::metal_backend_name(mbd::metal_backend());
+        return name ? std::optional<std::string>(name) : std::nullopt;
+      },
+      nb::sig("def metal_backend() -> str | None"),
+      R"(Where this process's Metal kernels come from.
+
+Returns:
+    str | None: ``"metallib"`` (the prebuilt mlx_batched_decode.metallib next
+    to the extension), ``"source"`` (the embedded source, compiled by Metal at
+    the first GPU call of each dtype and head dim), or None without Metal.)");
 
   m.def("cpu_kernel_calls", &mbd::cpu::kernel_calls,
         "Number of times the fused CPU kernel has run in this process.");

@@ -8,8 +8,10 @@ tests/test_metal_emulated.py runs the same kernel source on the CPU.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -167,6 +169,91 @@ def test_strided_starts_and_sinks():
 def test_wide_groups():
     q, k, v, n, _ = inputs(3, 2, 16, 200, 128, mx.float16, [200, 0, 99])
     check(q, k, v, n)
+
+
+@pytest.mark.parametrize("layout", ["row_stride", "offset"])
+@pytest.mark.parametrize("dtype,d", [(mx.float16, 64), (mx.bfloat16, 96), (mx.float32, 128), (mx.bfloat16, 512)],
+                         ids=str)
+def test_unaligned_views_take_scalar_loads(dtype, d, layout):
+    """Rows off the vector width (a row stride of D + 1, or a first element one
+    past an aligned one) read with scalar loads: aligned copies' output, bit for bit."""
+    q, k, v, n, opts = inputs(3, 2, 4, 300, d, dtype, [300, 41, 0], rows=2, window=64, sinks=True)
+
+    def unaligned(x):
+        if layout == "row_stride":
+            wide = mx.zeros((*x.shape[:-1], x.shape[-1] + 1), dtype=x.dtype)
+            wide[..., :d] = x
+            return wide[..., :d]
+        flat = mx.zeros((x.size + 1,), dtype=x.dtype)
+        flat[1:] = mx.contiguous(x).reshape(-1)
+        return flat[1:].reshape(x.shape)
+
+    aligned = np.array(mbd.batched_decode_attention(q, k, v, n, stream=mx.gpu, **opts).astype(mx.float32))
+    got = check(unaligned(q), unaligned(k), unaligned(v), n, **opts)
+    np.testing.assert_array_equal(got, aligned)
+
+
+@pytest.mark.parametrize("sink", [None, 0.5, -float("inf")], ids=["no_sink", "finite_sink", "minus_inf_sink"])
+@pytest.mark.parametrize("t", [40, 1500], ids=["single_pass", "split_k"])
+def test_non_finite_scores_as_the_reference(t, sink):
+    """NaN in a query, NaN and +inf in valid keys, -inf on the first keys of the
+    simdgroups and splits, and a request whose keys all score -inf: NaN and inf
+    where reference_attention and the CPU kernel have them (request 0: NaN, a
+    softmax of -inf logits only, unless a finite sink takes the weight: zeros)."""
+    rng = np.random.default_rng(t)
+    q = np.abs(rng.standard_normal((3, 4, 2, 64))).astype(np.float32)  # positive: a -inf key row scores -inf
+    k = rng.standard_normal((3, 2, t, 64)).astype(np.float32)
+    v = rng.standard_normal((3, 2, t, 64)).astype(np.float32)
+    q[1, 1, 0, 5] = np.nan
+    k[1, 0, 3, 7] = np.nan
+    k[1, 1, 2, 2] = np.inf
+    k[0] = -np.inf
+    for first in range(0, t, 64):
+        k[2, :, first:first + 8] = -np.inf
+    args = (mx.array(q), mx.array(k), mx.array(v), mx.array([t, t - 1, t]))
+    opts = dict(sinks=None if sink is None else mx.full((4,), sink))
+    got = np.array(mbd.batched_decode_attention(*args, stream=mx.gpu, **opts))
+    expected = np.array(mbd.reference_attention(*args, stream=mx.cpu, **opts))
+    cpu = np.array(mbd.batched_decode_attention(*args, stream=mx.cpu, **opts))
+    for out in (got, cpu):
+        for kind in (np.isnan, np.isposinf, np.isneginf):
+            np.testing.assert_array_equal(kind(out), kind(expected))
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(out[finite], expected[finite], atol=1e-4, rtol=1e-4)
+    assert np.isnan(expected[0]).all() if sink in (None, -float("inf")) else not expected[0].any()
+    assert np.isfinite(expected[2]).all()
+
+
+def test_metal_backend():
+    assert mbd.metal_backend() in ("metallib", "source")
+
+
+def test_embedded_source_in_a_fresh_process(tmp_path):
+    """A copy of the package without the metallib compiles the embedded source at
+    the first call of each dtype and head dim, and computes what the reference does."""
+    package = Path(mbd.__file__).parent
+    shutil.copytree(package, tmp_path / package.name, ignore=shutil.ignore_patterns("*.metallib", "__pycache__"))
+    # The extension finds libmlx at @loader_path/../mlx/lib.
+    (tmp_path / "mlx").symlink_to(Path(mx.__file__).parent)
+    code = (
+        "import time, mlx.core as mx, numpy as np, mlx_batched_decode as mbd\n"
+        f"assert mbd.__file__.startswith({str(tmp_path)!r}), mbd.__file__\n"
+        "assert mbd.metal_backend() == 'source', mbd.metal_backend()\n"
+        "for dtype, d, t in [(mx.float16, 128, 3000), (mx.bfloat16, 100, 40), (mx.float32, 64, 500)]:\n"
+        "    q, k, v = (mx.random.normal(s).astype(dtype) for s in [(2, 8, 2, d), (2, 2, t, d), (2, 2, t, d)])\n"
+        "    lens = mx.array([t, t // 3])\n"
+        "    start = time.perf_counter()\n"
+        "    out = mbd.batched_decode_attention(q, k, v, lens, stream=mx.gpu)\n"
+        "    mx.eval(out)\n"
+        "    print(f'first call {dtype} D={d}: {time.perf_counter() - start:.2f} s')\n"
+        "    ref = mbd.reference_attention(q, k, v, lens, stream=mx.cpu)\n"
+        "    np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32)),\n"
+        "                               atol=3e-2, rtol=3e-2)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    print(result.stdout)
 
 
 def test_capture_of_one_decode_step(tmp_path):

@@ -220,17 +220,34 @@ def test_empty_inputs(lib, b, t):
     assert got.shape == (b, 8, 2, 64) and not got.any()
 
 
-def test_misaligned_strides_are_rejected(lib):
-    """Vector loads need row starts on the vector width: the plan refuses others."""
-    case = make_case(np.random.default_rng(0), "float32", 128, 1, 1, 8, [8], rows=2)
-    buffer = np.zeros((1, 1, 8, 129), dtype=np.float32)
-    buffer[..., :128] = case.keys
-    with pytest.raises(HarnessError, match="multiples of 4"):
-        lib.attention(case.queries, buffer[..., :128], case.values, case.valid_lens, "float32", case.scale)
-    rows = np.zeros((1, 1, 2, 130), dtype=np.float32)
-    rows[..., :128] = case.queries
-    with pytest.raises(HarnessError, match="multiples of 4"):
-        lib.attention(rows[..., :128], case.keys, case.values, case.valid_lens, "float32", case.scale)
+@pytest.mark.parametrize("layout", ["row_stride", "offset"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("dtype,d", [("float16", 64), ("bfloat16", 96), ("float32", 128), ("bfloat16", 512)])
+def test_unaligned_views_take_scalar_loads(lib, dtype, d, path, layout):
+    """Rows off the vector width (a row stride of D + 1, or first elements one
+    element past a 16-byte boundary) are read with scalar loads: the output of
+    the same values through aligned views, bit for bit."""
+    spec = PATHS[path]
+    case = make_case(np.random.default_rng(d), dtype, d, spec["h_kv"], 2, spec["t"], spec["lens"], rows=2,
+                     starts=spec["starts"], window=spec["window"], sinks=True,
+                     row_pad=1 if layout == "row_stride" else 0)
+    assert_path(lib, case, path)
+    got = case.run(lib, shift=1 if layout == "offset" else 0)
+    assert not lib.vector_loads()
+    np.testing.assert_allclose(to_float64(got, dtype), case.reference(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    case.queries, case.keys, case.values = (np.ascontiguousarray(x) for x in (case.queries, case.keys, case.values))
+    np.testing.assert_array_equal(case.run(lib), got)
+    assert lib.vector_loads()
+
+
+def test_size_one_axes_do_not_decide_the_loads(lib):
+    """An axis of size 1 is never stepped along: an odd stride there keeps the vector loads."""
+    case = make_case(np.random.default_rng(8), "float32", 128, 1, 1, 30, [30], rows=1, window=6)
+    odd = 4 * 129
+    case.keys = np.lib.stride_tricks.as_strided(case.keys, strides=(odd, odd, *case.keys.strides[2:]))
+    case.queries = np.lib.stride_tricks.as_strided(case.queries, strides=(odd, odd, odd, 4))
+    run_and_compare(lib, case)
+    assert lib.vector_loads()
 
 
 def test_generic_head_dims_take_any_stride(lib):
@@ -242,6 +259,7 @@ def test_generic_head_dims_take_any_stride(lib):
         buffer[..., :100] = view
     case.queries, case.keys, case.values = (buffer[..., :100] for buffer in buffers)
     run_and_compare(lib, case)
+    assert lib.vector_loads()  # one element per load: every view fits
 
 
 def test_every_head_dim_has_its_kernels(lib):

@@ -13,6 +13,12 @@
 // reads. Each simdgroup walks its own keys; each lane owns a D-slice, so a K/V
 // row is one vector load per lane and serves every row of the chunk, each row
 // masked to its own range. Softmax state is float32.
+//
+// Non-finite values follow the softmax of reference_attention: a NaN score
+// makes its row NaN, a -inf score weighs 0, and a row whose scores are all -inf
+// (with no finite sink) is 0/0 = NaN; a row with no key at all gives zeros.
+// That needs IEEE infinities: the metallib is built with -fno-fast-math, and
+// MLX compiles the run-time source in its safe math mode.
 #pragma once
 
 #include <metal_stdlib>
@@ -26,6 +32,11 @@ using mlx_batched_decode::BatchedDecodeParams;
 // Query rows one threadgroup holds, fixed per pipeline so that the registers
 // of rows it never holds are compiled away.
 constant int bda_rows [[function_constant(MBD_FC_ROWS)]];
+// Whether every Q, K and V row starts on a multiple of the vector width (the
+// launch plan's vector_loads): whole vector loads, else scalar ones.
+constant bool bda_vector_loads [[function_constant(MBD_FC_VECTOR_LOADS)]];
+
+constant float bda_inf = numeric_limits<float>::infinity();
 
 // vec<T, N>; N = 1 is the scalar (MSL has no one-element vectors).
 template <typename T, int N>
@@ -56,21 +67,43 @@ inline float bda_element(float4 a, int e) {
   return a[e];
 }
 
-// exp(m - m_max) with an empty state (m = -inf) weighing 0, never NaN.
+// V consecutive elements of a row as floats (V = 1, 2 or 4): one vector load
+// when `vector` (bda_vector_loads, read in the kernel), else V scalar loads.
+template <typename T, int V>
+struct bda_load;
+template <typename T>
+struct bda_load<T, 1> {
+  static float row(const device T* x, bool) {
+    return float(x[0]);
+  }
+};
+template <typename T>
+struct bda_load<T, 2> {
+  static float2 row(const device T* x, bool vector) {
+    return vector ? float2(*reinterpret_cast<const device vec<T, 2>*>(x)) : float2(float(x[0]), float(x[1]));
+  }
+};
+template <typename T>
+struct bda_load<T, 4> {
+  static float4 row(const device T* x, bool vector) {
+    return vector ? float4(*reinterpret_cast<const device vec<T, 4>*>(x))
+                  : float4(float(x[0]), float(x[1]), float(x[2]), float(x[3]));
+  }
+};
+
+// exp(m - m_max) for a score or a state's max m: -inf weighs 0, where
+// exp(-inf - -inf) would be NaN; NaN stays NaN.
 inline float bda_weight(float m, float m_max) {
-  return m == -INFINITY ? 0.0f : exp(m - m_max);
+  return m == -bda_inf ? 0.0f : exp(m - m_max);
 }
 
-// The factor of a row's merged accumulator (scores' max m, sum l relative to
-// m) in its output: 1 / the softmax denominator, which the sink logit (-inf
-// for none) joins; rescaled to max(m, sink) so that nothing overflows. A row
-// with no key gives 0, never NaN, with or without a sink.
+// The factor of the merged accumulator of a row with keys (scores' max m, sum
+// l relative to m) in its output: 1 / the softmax denominator, which the sink
+// logit (-inf for none) joins; rescaled to max(m, sink) so that nothing
+// overflows. Every logit -inf gives 0/0 = NaN, as the reference's softmax.
 inline float bda_normalizer(float m, float l, float sink) {
-  if (m == -INFINITY) {
-    return 0.0f;
-  }
   const float m_all = max(m, sink);
-  const float f = exp(m - m_all);
+  const float f = bda_weight(m, m_all);
   return f / (l * f + exp(sink - m_all));
 }
 
@@ -79,6 +112,23 @@ struct BdaRange {
   int lo;
   int hi;
 };
+
+// The keys of request b: its length and first valid key.
+struct BdaRequest {
+  int len;
+  int start;
+};
+
+// Both clamped to [0, T], so that no value, however wrong, makes a read leave [0, T).
+inline BdaRequest bda_request(
+    const device int* valid_lens,
+    const device int* kv_starts,
+    const constant BatchedDecodeParams& p,
+    int b) {
+  const int len = clamp(valid_lens[b * p.lens_stride], 0, p.seq_len);
+  const int start = p.has_kv_starts ? clamp(kv_starts[b * p.starts_stride], 0, p.seq_len) : 0;
+  return BdaRequest{len, start};
+}
 
 // Keys attended by row i of num_rows, in a request of len keys whose first
 // valid key is start (both in [0, T]), with window in [1, max(T, 1)].
@@ -122,20 +172,18 @@ template <typename T, int D, bool GENERIC>
   static_assert(D % V == 0, "a fast head dim is a multiple of its vector width");
   static_assert(MBD_MAX_SIMDGROUPS * (D + 2 * RB) * 4 <= 32768, "threadgroup memory is at most 32 KB");
   typedef typename bda_vec<float, V>::type floatv;
-  typedef typename bda_vec<T, V>::type loadv;
   const int dim = GENERIC ? p.head_dim : D;
   const int nv = dim / V;
 
   const int chunk_rows = bda_rows;
+  const bool vectors = bda_vector_loads;
   const int split = tgid.x;
   const int kv_head = tgid.y / p.row_chunks;
   const int first = (tgid.y % p.row_chunks) * chunk_rows;
   const int rows = min(chunk_rows, p.gqa_factor * p.num_rows - first);
   const int b = tgid.z;
 
-  // Clamped so that no position, however wrong, reads outside [0, T).
-  const int len = clamp(valid_lens[b * p.lens_stride], 0, p.seq_len);
-  const int start = p.has_kv_starts ? clamp(kv_starts[b * p.starts_stride], 0, p.seq_len) : 0;
+  const BdaRequest request = bda_request(valid_lens, kv_starts, p, b);
 
   // Row r of the chunk is row i of query head h, from (i, g) index first + r.
   floatv q[RB][C];
@@ -149,7 +197,7 @@ template <typename T, int D, bool GENERIC>
   int keys_lo = p.seq_len;
   int keys_hi = 0;
   for (int r = 0; r < RB; ++r) {
-    m[r] = -INFINITY;
+    m[r] = -bda_inf;
     l[r] = 0.0f;
     row_head[r] = row_i[r] = row_lo[r] = row_hi[r] = 0;
     for (int c = 0; c < C; ++c) {
@@ -160,7 +208,7 @@ template <typename T, int D, bool GENERIC>
     if (r < chunk_rows && r < rows) {
       row_i[r] = (first + r) / p.gqa_factor;
       row_head[r] = kv_head * p.gqa_factor + (first + r) % p.gqa_factor;
-      const BdaRange range = bda_row_keys(len, start, p.num_rows, row_i[r], p.window);
+      const BdaRange range = bda_row_keys(request.len, request.start, p.num_rows, row_i[r], p.window);
       row_lo[r] = range.lo;
       row_hi[r] = range.hi;
       if (range.lo < range.hi) {
@@ -172,7 +220,7 @@ template <typename T, int D, bool GENERIC>
       for (int c = 0; c < C; ++c) {
         const int vi = lane + MBD_SIMD_WIDTH * c;
         if (vi < nv) {
-          q[r][c] = floatv(*(const device loadv*)(qrow + vi * V)) * p.scale;
+          q[r][c] = bda_load<T, V>::row(qrow + vi * V, vectors) * p.scale;
         }
       }
     }
@@ -195,8 +243,8 @@ template <typename T, int D, bool GENERIC>
       k[c] = floatv(0.0f);
       v[c] = floatv(0.0f);
       if (vi < nv) {
-        k[c] = floatv(*(const device loadv*)(kbase + t * p.k_seq_stride + vi * V));
-        v[c] = floatv(*(const device loadv*)(vbase + t * p.v_seq_stride + vi * V));
+        k[c] = bda_load<T, V>::row(kbase + t * p.k_seq_stride + vi * V, vectors);
+        v[c] = bda_load<T, V>::row(vbase + t * p.v_seq_stride + vi * V, vectors);
       }
     }
     for (int r = 0; r < RB; ++r) {
@@ -210,8 +258,8 @@ template <typename T, int D, bool GENERIC>
         // it (NaN included) never touches the row.
         if (t >= row_lo[r] && t < row_hi[r]) {
           const float m_new = max(m[r], s);
-          const float factor = exp(m[r] - m_new);
-          const float prob = exp(s - m_new);
+          const float factor = bda_weight(m[r], m_new);
+          const float prob = bda_weight(s, m_new);
           l[r] = l[r] * factor + prob;
           for (int c = 0; c < C; ++c) {
             acc[r][c] = acc[r][c] * factor + prob * v[c];
@@ -236,7 +284,7 @@ template <typename T, int D, bool GENERIC>
 
   for (int r = 0; r < RB; ++r) {
     if (r < chunk_rows && r < rows) {
-      float m_max = -INFINITY;
+      float m_max = -bda_inf;
       for (uint s = 0; s < num_sg; ++s) {
         m_max = max(m_max, sg_max[s][r]);
       }
@@ -256,15 +304,16 @@ template <typename T, int D, bool GENERIC>
       threadgroup_barrier(mem_flags::mem_threadgroup);
       // Output rows are [B, H_q, L] in order; 64-bit, as B * H_q * L * D may pass 2^31.
       const int64_t out_row = (int64_t(b) * p.num_q_heads + row_head[r]) * p.num_rows + row_i[r];
-      const float sink = p.has_sinks ? sinks[row_head[r] * p.sinks_stride] : -INFINITY;
+      const float sink = p.has_sinks ? sinks[row_head[r] * p.sinks_stride] : -bda_inf;
       const float norm = bda_normalizer(m_max, sum, sink);
+      const bool has_keys = row_lo[r] < row_hi[r];
       for (uint d = tid; d < uint(dim); d += num_sg * MBD_SIMD_WIDTH) {
         float a = 0.0f;
         for (uint s = 0; s < num_sg; ++s) {
           a += sg_acc[s][d];
         }
         if (p.num_splits == 1) {
-          out[out_row * dim + d] = T(a * norm);
+          out[out_row * dim + d] = has_keys ? T(a * norm) : T(0.0f);
         } else {
           partial_acc[(out_row * p.num_splits + split) * dim + d] = a;
         }
@@ -281,9 +330,11 @@ template <typename T, int D, bool GENERIC>
 
 // Split-K second pass: merges the splits' (max, sum, acc) of one output row
 // (request, query head, row i) with log-sum-exp weights, then the sink joins
-// the denominator. Empty splits carry max = -inf; a row empty in all gives zeros.
+// the denominator. Empty splits carry max = -inf; a row with no key gives zeros.
 template <typename T, int D, bool GENERIC>
 [[kernel]] void batched_decode_attention_reduce(
+    const device int* valid_lens [[buffer(3)]],
+    const device int* kv_starts [[buffer(4)]],
     const device float* sinks [[buffer(5)]],
     device T* out [[buffer(6)]],
     const device float* partial_acc [[buffer(7)]],
@@ -294,11 +345,15 @@ template <typename T, int D, bool GENERIC>
     uint tid [[thread_index_in_threadgroup]],
     uint3 group_size [[threads_per_threadgroup]]) {
   const int dim = GENERIC ? p.head_dim : D;
+  const int i = tgid.x;
   const int head = tgid.y;
-  const int64_t out_row = (int64_t(tgid.z) * p.num_q_heads + head) * p.num_rows + tgid.x;
+  const int b = tgid.z;
+  const int64_t out_row = (int64_t(b) * p.num_q_heads + head) * p.num_rows + i;
+  const BdaRequest request = bda_request(valid_lens, kv_starts, p, b);
+  const BdaRange range = bda_row_keys(request.len, request.start, p.num_rows, i, p.window);
   const device float* maxes = partial_max + out_row * p.num_splits;
   const device float* sums = partial_sum + out_row * p.num_splits;
-  float m_max = -INFINITY;
+  float m_max = -bda_inf;
   for (int s = 0; s < p.num_splits; ++s) {
     m_max = max(m_max, maxes[s]);
   }
@@ -306,13 +361,13 @@ template <typename T, int D, bool GENERIC>
   for (int s = 0; s < p.num_splits; ++s) {
     sum += sums[s] * bda_weight(maxes[s], m_max);
   }
-  const float sink = p.has_sinks ? sinks[head * p.sinks_stride] : -INFINITY;
+  const float sink = p.has_sinks ? sinks[head * p.sinks_stride] : -bda_inf;
   const float norm = bda_normalizer(m_max, sum, sink);
   for (uint d = tid; d < uint(dim); d += group_size.x) {
     float a = 0.0f;
     for (int s = 0; s < p.num_splits; ++s) {
       a += partial_acc[(out_row * p.num_splits + s) * dim + d] * bda_weight(maxes[s], m_max);
     }
-    out[out_row * dim + d] = T(a * norm);
+    out[out_row * dim + d] = range.lo < range.hi ? T(a * norm) : T(0.0f);
   }
 }

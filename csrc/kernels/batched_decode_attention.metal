@@ -1,8 +1,9 @@
 // Instantiations of the batched decode attention kernels: dtype x head dim.
 // Host names (csrc/metal/launch_plan.h picks one per call):
 //   batched_decode_attention_<dtype>_<D>, batched_decode_attention_reduce_<dtype>_<D>:
-//     fast paths, D fixed at compile time, vector loads, for D in 32, 64, 80,
-//     96, 112, 128, 160, 192, 256, 512;
+//     fast paths, D fixed at compile time, vector loads (scalar ones for views
+//     whose rows do not start on the vector width), for D in 32, 64, 80, 96,
+//     112, 128, 160, 192, 256, 512;
 //   batched_decode_attention_<dtype>_upto<N>, batched_decode_attention_reduce_<dtype>_upto<N>:
 //     the generic path for every other D in 1..512, N the smallest of 32, 64,
 //     128, 256, 512 with D <= N; D read at run time, scalar loads.
@@ -38,6 +39,12 @@
   instantiate_generic(tname, type, 256)                        \
   instantiate_generic(tname, type, 512)
 
+// Every kernel, unless MBD_KERNELS names the ones to compile instead: the
+// run-time library of one dtype and head dim (csrc/metal/kernel_library.h).
+#ifdef MBD_KERNELS
+MBD_KERNELS
+#else
 instantiate_batched_decode_attention_dims(float16, half)
 instantiate_batched_decode_attention_dims(bfloat16, bfloat)
 instantiate_batched_decode_attention_dims(float32, float)
+#endif

@@ -1,19 +1,19 @@
 // Arguments of the batched decode attention kernels, shared by the Metal
 // kernels, the host launcher and the Linux emulation harness: one layout for all.
+// As MLX's kernel parameter headers, it includes nothing: host code includes
+// <cstdint> first, and the Metal source embedded in _ext has only <metal_stdlib>.
 #ifndef MLX_BATCHED_DECODE_PARAMS_H
 #define MLX_BATCHED_DECODE_PARAMS_H
-
-#ifndef __METAL_VERSION__
-#include <cstdint>
-#endif
 
 // Compile-time limits of the kernels, also read by the launch plan.
 #define MBD_SIMD_WIDTH 32
 #define MBD_MAX_SIMDGROUPS 8
 // Query rows one threadgroup holds at most; each K/V row it reads serves them all.
 #define MBD_MAX_ROWS 8
-// Function constant index of the query rows one threadgroup holds (<= MBD_MAX_ROWS).
+// Function constant indices: the query rows one threadgroup holds (<= MBD_MAX_ROWS),
+// and whether Q/K/V rows allow whole vector loads (bool).
 #define MBD_FC_ROWS 0
+#define MBD_FC_VECTOR_LOADS 1
 
 namespace mlx_batched_decode {
 

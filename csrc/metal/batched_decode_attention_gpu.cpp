@@ -1,10 +1,8 @@
 // Metal launcher of BatchedDecodeAttention. Compiled only where MLX_BUILD_METAL
 // is set (cmake/metal.cmake); the kernels live in csrc/kernels/, the launch
-// plan in launch_plan.h, shared with the Linux emulation harness.
-#include <dlfcn.h>
-
+// plan in launch_plan.h and the run-time libraries in kernel_library.h, both
+// shared with the Linux emulation harness.
 #include <cstdint>
-#include <filesystem>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -14,24 +12,15 @@
 #include "mlx/backend/metal/utils.h"
 
 #include "../batched_decode_attention.h"
+#include "../metal_backend.h"
+#include "../metal_source.h"
+#include "kernel_library.h"
 #include "launch_plan.h"
 
 namespace mx = mlx::core;
 
 namespace mlx_batched_decode {
 namespace {
-
-// The metallib is installed next to the extension module: find that directory.
-const std::string& module_dir() {
-  static const std::string dir = [] {
-    Dl_info info;
-    if (!dladdr(reinterpret_cast<void*>(&module_dir), &info)) {
-      throw std::runtime_error("[batched_decode_attention] cannot locate the extension module on disk");
-    }
-    return std::filesystem::path(info.dli_fname).parent_path().string();
-  }();
-  return dir;
-}
 
 KernelDtype kernel_dtype(mx::Dtype dtype) {
   if (dtype == mx::float16) {
@@ -46,16 +35,45 @@ KernelDtype kernel_dtype(mx::Dtype dtype) {
   throw std::invalid_argument("[batched_decode_attention] the Metal kernel takes float16, bfloat16 or float32");
 }
 
-// Vector loads need every row start aligned to the vector width.
-void check_alignment(const mx::array& a, const char* name, int vector_width) {
+void check_last_axis(const mx::array& a, const char* name) {
   if (a.strides().back() != 1) {
     throw std::invalid_argument(std::string("[batched_decode_attention] ") + name + ": last axis must be contiguous");
   }
-  // Metal buffers start page-aligned, so the view's byte offset decides.
-  if (a.offset() % (int64_t(vector_width) * int64_t(a.itemsize())) != 0) {
-    throw std::invalid_argument(
-        std::string("[batched_decode_attention] ") + name + ": data must start at a multiple of " +
-        std::to_string(vector_width) + " elements for the Metal kernel");
+}
+
+// The kernels of (dtype, D): from the prebuilt metallib, or from the embedded
+// source, compiled once per process at the first call of this dtype and head
+// dim. A compile failure is an error, never a CPU fallback.
+MTL::Library* kernel_library(mx::metal::Device& d, KernelDtype dtype, int head_dim) {
+  switch (metal_backend()) {
+    case MetalBackend::metallib:
+      return d.get_library(kMetallibName, module_dir());
+    case MetalBackend::source:
+      break;
+    case MetalBackend::none:
+      throw std::runtime_error("[batched_decode_attention] Metal is not available");
+  }
+  const std::string name = library_name(metal_source_hash(), dtype, head_dim);
+  try {
+    // MLX's safe math mode: the kernel needs IEEE infinities and NaN (as the metallib's -fno-fast-math).
+    return d.get_library(name, mx::CompileOptions{}, [&] { return library_source(metal_source(), dtype, head_dim); });
+  } catch (const std::exception& e) {
+    throw std::runtime_error(
+        "[batched_decode_attention] compiling the Metal kernels " + kernel_suffix(dtype, head_dim) +
+        " from source failed: " + e.what());
+  }
+}
+
+MTL::ComputePipelineState* pipeline(
+    mx::metal::Device& d,
+    const std::string& kernel,
+    MTL::Library* library,
+    const std::string& hash_name = "",
+    const mx::metal::MTLFCList& constants = {}) {
+  try {
+    return d.get_kernel(kernel, library, hash_name, constants);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("[batched_decode_attention] building the Metal pipeline " + kernel + " failed: " + e.what());
   }
 }
 
@@ -80,29 +98,41 @@ void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::
   const mx::Stream& s = stream();
   mx::metal::Device& d = mx::metal::device(s.device);
 
+  check_last_axis(queries, "queries");
+  check_last_axis(keys, "keys");
+  check_last_axis(values, "values");
   const int T = keys.shape(2);
   LaunchShape shape{
       queries.shape(0), queries.shape(1), keys.shape(1), queries.shape(2), T, queries.shape(3),
       effective_window(window_, T), kernel_dtype(queries.dtype()),
       /* max_threads_per_group, set below */ MBD_SIMD_WIDTH, has_kv_starts_, has_sinks_};
-  MTL::Library* library = d.get_library("mlx_batched_decode", module_dir());
-  // Names and function constants don't depend on the thread limit, which comes from the pipeline.
-  const LaunchPlan provisional = make_launch_plan(shape);
-  int rows = provisional.rows_per_group;
-  const mx::metal::MTLFCList constants = {{&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS}};
-  MTL::ComputePipelineState* kernel = d.get_kernel(
-      provisional.kernel, library, provisional.kernel + "_rows" + std::to_string(rows), constants);
-  shape.max_threads_per_group = int(kernel->maxTotalThreadsPerThreadgroup());
-  const LaunchPlan plan = make_launch_plan(shape);
-  mx::check_kernel_threadgroup_size(kernel, to_mtl(plan.group), plan.kernel);
-
-  check_alignment(queries, "queries", plan.vector_width);
-  check_alignment(keys, "keys", plan.vector_width);
-  check_alignment(values, "values", plan.vector_width);
   const InputStrides strides{queries.strides(0), queries.strides(1), queries.strides(2),
                              keys.strides(0),    keys.strides(1),    keys.strides(2),
                              values.strides(0),  values.strides(1),  values.strides(2),
                              valid_lens.strides(0), kv_starts.strides(0), sinks.strides(0)};
+  // Metal buffers start at least 16-byte aligned, so the views' byte offsets decide the vector loads.
+  const InputOffsets offsets{queries.offset(), keys.offset(), values.offset()};
+
+  // Names and function constants don't depend on the thread limit, which comes from the pipeline.
+  const LaunchPlan provisional = make_launch_plan(shape);
+  int rows = provisional.rows_per_group;
+  bool vectors = vector_loads(shape, provisional, strides, offsets);
+  MTL::Library* library = kernel_library(d, shape.dtype, shape.head_dim);
+  const mx::metal::MTLFCList constants = {
+      {&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS},
+      {&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}};
+  MTL::ComputePipelineState* kernel = pipeline(
+      d, provisional.kernel, library,
+      provisional.kernel + "_rows" + std::to_string(rows) + (vectors ? "_vector" : "_scalar"), constants);
+  shape.max_threads_per_group = int(kernel->maxTotalThreadsPerThreadgroup());
+  const LaunchPlan plan = make_launch_plan(shape);
+  mx::check_kernel_threadgroup_size(kernel, to_mtl(plan.group), plan.kernel);
+  const bool split = plan.num_splits > 1;
+  // Both pipelines before any encoding: a failure leaves no half-encoded work.
+  MTL::ComputePipelineState* reduce = split ? pipeline(d, plan.reduce_kernel, library) : nullptr;
+  if (split) {
+    mx::check_kernel_threadgroup_size(reduce, to_mtl(plan.reduce_group), plan.reduce_kernel);
+  }
   const BatchedDecodeParams params = make_params(shape, plan, strides, scale_);
 
   out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -115,7 +145,6 @@ void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::
     buffer->setLabel(NS::String::string(label.c_str(), NS::UTF8StringEncoding));
   }
 
-  const bool split = plan.num_splits > 1;
   std::vector<mx::array> partials;
   if (split) {
     partials.emplace_back(mx::Shape{int(plan.partial_acc_elems)}, mx::float32, nullptr, std::vector<mx::array>{});
@@ -143,9 +172,9 @@ void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::
   encoder.dispatch_threadgroups(to_mtl(plan.grid), to_mtl(plan.group));
 
   if (split) {
-    MTL::ComputePipelineState* reduce = d.get_kernel(plan.reduce_kernel, library);
-    mx::check_kernel_threadgroup_size(reduce, to_mtl(plan.reduce_group), plan.reduce_kernel);
     encoder.set_compute_pipeline_state(reduce);
+    encoder.set_input_array(valid_lens, kValidLens);
+    encoder.set_input_array(kv_starts, kKvStarts);
     encoder.set_input_array(sinks, kSinks);
     encoder.set_output_array(out, kOut);
     encoder.set_input_array(partials[0], kPartialAcc);

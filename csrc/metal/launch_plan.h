@@ -65,7 +65,7 @@ struct LaunchPlan {
   int keys_span;             // most keys one row chunk reads: min(T, window + L - 1)
   int rows_per_group;        // function constant MBD_FC_ROWS of the main pass
   int row_chunks;            // ceil(R / rows_per_group)
-  int vector_width;          // elements per vector load: Q/K/V strides must be multiples
+  int vector_width;          // elements per vector load (1: scalar loads), see vector_loads()
   uint64_t partial_acc_elems;   // float32 [B, H_q, L, splits, D]; 0 when single pass
   uint64_t partial_stats_elems; // float32 [B, H_q, L, splits] for max and for sum
 };
@@ -120,13 +120,18 @@ inline int ceil_div(int64_t a, int64_t b) {
   return int((a + b - 1) / b);
 }
 
-/** Host name of the main (or reduce) kernel for a dtype and head dim. */
-inline std::string kernel_name(KernelDtype dtype, int head_dim, bool reduce) {
+/** The end of the kernels' host names for a dtype and head dim: "float16_128", "float16_upto256". */
+inline std::string kernel_suffix(KernelDtype dtype, int head_dim) {
   const std::string dim = is_fast_head_dim(head_dim)
       ? std::to_string(head_dim)
       : "upto" + std::to_string(kernel_head_dim(head_dim));
+  return std::string(dtype_name(dtype)) + "_" + dim;
+}
+
+/** Host name of the main (or reduce) kernel for a dtype and head dim. */
+inline std::string kernel_name(KernelDtype dtype, int head_dim, bool reduce) {
   return std::string(reduce ? "batched_decode_attention_reduce_" : "batched_decode_attention_") +
-      dtype_name(dtype) + "_" + dim;
+      kernel_suffix(dtype, head_dim);
 }
 
 /** The launch of both passes, from shapes and the device's thread limit. */
@@ -213,13 +218,8 @@ struct InputStrides {
   int64_t sinks;
 };
 
-/** Kernel arguments for a plan; throws when a stride breaks the vector loads. */
-inline BatchedDecodeParams make_params(
-    const LaunchShape& s,
-    const LaunchPlan& plan,
-    const InputStrides& strides,
-    float scale) {
-  // A size-1 axis is never stepped along, whatever stride the view reports.
+/** `strides` with those of size-1 axes (never stepped along) and of absent options set to 0. */
+inline InputStrides effective_strides(const LaunchShape& s, const InputStrides& strides) {
   InputStrides st = strides;
   if (s.batch == 1) {
     st.q_batch = st.k_batch = st.v_batch = st.lens = st.starts = 0;
@@ -242,15 +242,44 @@ inline BatchedDecodeParams make_params(
   if (!s.has_sinks) {
     st.sinks = 0;
   }
-  const int64_t all[] = {st.q_batch, st.q_head, st.q_row,  st.k_batch, st.k_head,
-                         st.k_seq,   st.v_batch, st.v_head, st.v_seq};
-  for (int64_t v : all) {
-    if (v % plan.vector_width != 0) {
-      throw std::invalid_argument(
-          "[batched_decode_attention] strides must be multiples of " +
-          std::to_string(plan.vector_width) + " elements for the Metal kernel");
-    }
-  }
+  return st;
+}
+
+/** Byte offsets of the first elements of queries, keys and values from the start of their
+ * buffers, which Metal aligns to at least 16 bytes. */
+struct InputOffsets {
+  int64_t q, k, v;
+};
+
+inline int dtype_size(KernelDtype dtype) {
+  return dtype == KernelDtype::float32 ? 4 : 2;
+}
+
+/**
+ * Whether the main kernel loads whole vectors (function constant
+ * MBD_FC_VECTOR_LOADS): every Q, K and V row starts on a multiple of the
+ * plan's vector width. Views with other offsets or strides (a slice starting
+ * at an odd column, a row stride of D + 1) take one scalar load per element.
+ */
+inline bool vector_loads(const LaunchShape& s, const LaunchPlan& plan, const InputStrides& strides,
+                         const InputOffsets& offsets) {
+  const InputStrides st = effective_strides(s, strides);
+  const int64_t elements[] = {st.q_batch, st.q_head, st.q_row,  st.k_batch, st.k_head,
+                              st.k_seq,   st.v_batch, st.v_head, st.v_seq};
+  const int64_t bytes[] = {offsets.q, offsets.k, offsets.v};
+  const int64_t vector_bytes = int64_t(plan.vector_width) * dtype_size(s.dtype);
+  const auto multiple_of = [](int64_t n) { return [n](int64_t x) { return x % n == 0; }; };
+  return std::all_of(std::begin(elements), std::end(elements), multiple_of(plan.vector_width)) &&
+      std::all_of(std::begin(bytes), std::end(bytes), multiple_of(vector_bytes));
+}
+
+/** Kernel arguments for a plan. */
+inline BatchedDecodeParams make_params(
+    const LaunchShape& s,
+    const LaunchPlan& plan,
+    const InputStrides& strides,
+    float scale) {
+  const InputStrides st = effective_strides(s, strides);
   BatchedDecodeParams p{};
   p.q_batch_stride = st.q_batch;
   p.q_head_stride = st.q_head;

@@ -3,10 +3,12 @@
 No tool compiles MSL on Linux, so the kernel source is translated and compiled
 as C++20 by g++ and executed lane by lane:
 
-- ``prepass.py`` inlines quoted includes (keeping ``#line``s), gives built-in
-  parameters the running lane's values, makes ``threadgroup`` variables
-  ``static``, reads function constants from the launch and registers each
-  ``[[host_name]]`` instantiation;
+- cmake/metal_source.py, the generator of the source ``_ext`` embeds
+  (``mlx_batched_decode.metal_source()``), first inlines the quoted includes
+  (keeping ``#line``s), so the harness compiles that very text;
+- ``prepass.py`` gives built-in parameters the running lane's values, makes
+  ``threadgroup`` variables ``static``, reads function constants from the
+  launch and registers each ``[[host_name]]`` instantiation;
 - ``metal_emu.h`` (through the stub ``include/metal_stdlib``) makes the rest of
   MSL parse: address spaces, vector types, ``half``/``bfloat``, math, simd
   collectives and barriers;
@@ -17,11 +19,15 @@ as C++20 by g++ and executed lane by lane:
   filled with NaN before each threadgroup;
 - ``launcher.cpp`` dispatches with ``csrc/metal/launch_plan.h``, the plan the
   Metal launcher uses, and in AddressSanitizer builds poisons memory (K/V
-  positions no query row attends); ``build.py`` compiles and caches the
-  library; ``driver.py`` calls it through ctypes;
-- ``sources.py`` copies the kernel sources for builds of fewer kernels or with
-  one injected bug (``mutants.py``); ``cases.py``, ``check_cases.py`` and
-  ``reference.py`` (float64) make and check the tests' inputs.
+  positions no query row attends); it also exposes the run-time library
+  names and sources (``csrc/metal/kernel_library.h``) and the metallib/source
+  choice (``csrc/metal/backend_choice.h``); ``build.py`` compiles and caches
+  the library, plain, sanitized, or counting every load of the kernel per
+  buffer (``load_counter.cpp``); ``driver.py`` calls it through ctypes;
+- ``sources.py`` makes sources of fewer kernels (the source's ``MBD_KERNELS``
+  switch, as eval_gpu's run-time libraries) or with one injected bug
+  (``mutants.py``); ``cases.py``, ``check_cases.py`` and ``reference.py``
+  (float64) make and check the tests' inputs.
 
 What it cannot show: that Apple's compiler accepts the source, GPU speed, and
 races between threadgroups (they run one after another).

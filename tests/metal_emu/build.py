@@ -1,36 +1,63 @@
-"""Builds the emulated kernel library: pre-pass, then g++ (C++20), cached.
+"""Builds the emulated kernel library: flatten, pre-pass, then g++ (C++20), cached.
 
-The cache key is the hash of everything that goes into the library (pre-passed
-kernel, harness sources, flags, compiler), so an edit rebuilds and a rerun of
-the suite does not. The runtime and launcher objects are cached per flags and
-linked into every kernel's library, so a mutant only compiles its kernel.
+Kernel sources are first flattened by cmake/metal_source.py, the generator of
+the source embedded in ``_ext``: for the kernel directory, every ``.metal``
+file in it in name order, as CMake passes them, so the harness compiles the
+text ``mlx_batched_decode.metal_source()`` returns (it is kept next to the
+library as ``source.metal``). The cache key is the hash of everything that goes into
+the library (pre-passed kernel, harness sources, flags, compiler), so an edit
+rebuilds and a rerun of the suite does not. The runtime and launcher objects
+are cached per flags and linked into every kernel's library, so a mutant only
+compiles its kernel.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from .prepass import prepass
 
 HARNESS = Path(__file__).resolve().parent
 REPO = HARNESS.parents[1]
-KERNEL_SOURCE = REPO / "csrc" / "kernels" / "batched_decode_attention.metal"
+KERNEL_DIR = REPO / "csrc" / "kernels"
 CACHE = Path(os.environ.get("MLX_BATCHED_DECODE_EMU_CACHE", Path(tempfile.gettempdir()) / "mlx_batched_decode_emu"))
+
+_spec = importlib.util.spec_from_file_location("metal_source", REPO / "cmake" / "metal_source.py")
+metal_source = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(metal_source)
 
 CXX = os.environ.get("CXX", "g++")
 # Kernel warnings fail the build; MSL attributes ([[buffer(i)]], ...) are unknown to g++.
 BASE_FLAGS = ["-std=c++20", "-fPIC", "-Wall", "-Wextra", "-Werror", "-Wno-attributes"]
 INCLUDES = [f"-I{HARNESS}", f"-I{HARNESS / 'include'}", f"-I{REPO / 'csrc'}"]
-OPTIMIZED = ["-O2"]
-SANITIZERS = {
-    "address": ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
-    "thread": ["-O1", "-g", "-fsanitize=thread"],
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kind of build: flags of every object and the link, flags of the kernel object only, extra harness sources."""
+
+    flags: tuple[str, ...]
+    kernel_flags: tuple[str, ...] = ()
+    sources: tuple[str, ...] = ()
+
+
+VARIANTS = {
+    None: Variant(("-O2",)),
+    "address": Variant(("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+                        "-fno-sanitize-recover=all")),
+    "thread": Variant(("-O1", "-g", "-fsanitize=thread")),
+    # Every load the kernel's source makes (-O0: none optimised away) calls a
+    # hook in load_counter.cpp, which counts the bytes per bound buffer.
+    "loads": Variant(("-O0",), ("-fsanitize=kernel-address", "--param=asan-stack=0", "--param=asan-globals=0",
+                                "--param=asan-instrumentation-with-call-threshold=0"), ("load_counter.cpp",)),
 }
 
 
@@ -38,9 +65,17 @@ class BuildError(Exception):
     """g++ or the pre-pass rejected the kernel; the message holds the diagnostics."""
 
 
+def kernel_text(source: Path = KERNEL_DIR) -> str:
+    """The flattened Metal source of a ``.metal`` file, or of a directory's (CMake's
+    glob of ``*.metal``, in name order): for KERNEL_DIR, the text ``_ext`` embeds."""
+    source = Path(source)
+    return metal_source.flatten(sorted(source.glob("*.metal")) if source.is_dir() else [source])
+
+
 def _harness_files() -> list[Path]:
     return sorted([*HARNESS.glob("*.h"), *HARNESS.glob("*.cpp"), HARNESS / "include" / "metal_stdlib",
-                   REPO / "csrc" / "metal" / "launch_plan.h",
+                   REPO / "csrc" / "metal" / "launch_plan.h", REPO / "csrc" / "metal" / "kernel_library.h",
+                   REPO / "csrc" / "metal" / "backend_choice.h",
                    REPO / "csrc" / "kernels" / "batched_decode_attention_params.h"])
 
 
@@ -54,16 +89,23 @@ def _compile(flags: list[str], source: Path, obj: Path) -> None:
     os.replace(partial, obj)
 
 
-def build_library(kernel_source: Path = KERNEL_SOURCE, sanitize: str | None = None) -> Path:
-    """Path of the shared library running ``kernel_source`` (a .metal file) on the CPU.
+def build_library(source: Path | str = KERNEL_DIR, sanitize: str | None = None) -> Path:
+    """Path of the shared library running ``source`` on the CPU: a .metal file or
+    a directory of them (flattened first, see ``kernel_text``), or an already
+    flattened Metal text.
 
-    ``sanitize``: None, "address" (AddressSanitizer + UBSan) or "thread" (ThreadSanitizer).
+    ``sanitize``: None, "address" (AddressSanitizer + UBSan), "thread"
+    (ThreadSanitizer) or "loads" (counts the bytes the kernels load, see
+    ``EmulatedLibrary.loads``).
     """
-    translated = prepass(Path(kernel_source), [Path(kernel_source).resolve().parent])
-    flags = BASE_FLAGS + (SANITIZERS[sanitize] if sanitize else OPTIMIZED)
+    text = kernel_text(source) if isinstance(source, Path) else source
+    translated = prepass(text)
+    variant = VARIANTS[sanitize]
+    flags = BASE_FLAGS + list(variant.flags)
     version = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
     harness = hashlib.sha256()
-    for part in [" ".join(flags), version] + [f.read_text() for f in _harness_files()]:
+    for part in [" ".join([*flags, *variant.kernel_flags, *variant.sources]), version] + [
+            f.read_text() for f in _harness_files()]:
         harness.update(part.encode())
     target = CACHE / hashlib.sha256((harness.hexdigest() + translated).encode()).hexdigest()[:24] / "libmetal_emu.so"
     if target.exists():
@@ -77,16 +119,20 @@ def build_library(kernel_source: Path = KERNEL_SOURCE, sanitize: str | None = No
     try:
         kernel_cpp = work / "kernel.cpp"
         kernel_cpp.write_text(translated)
-        jobs = [(kernel_cpp, work / "kernel.o")] + [
-            (HARNESS / name, shared / f"{Path(name).stem}.o") for name in ("runtime.cpp", "launcher.cpp")]
+        objects = [(kernel_cpp, work / "kernel.o")] + [
+            (HARNESS / name, shared / f"{Path(name).stem}.o")
+            for name in ("runtime.cpp", "launcher.cpp", *variant.sources)]
+        jobs = [([*flags, *variant.kernel_flags], *objects[0])] + [(flags, *job) for job in objects[1:]]
         with ThreadPoolExecutor(max_workers=2) as pool:
-            list(pool.map(lambda job: _compile(flags, *job), [job for job in jobs if not job[1].exists()]))
+            list(pool.map(lambda job: _compile(*job), [job for job in jobs if not job[2].exists()]))
         library = work / target.name
-        link = ["nice", CXX, "-shared", *flags, *(str(obj) for _, obj in jobs), "-o", str(library)]
+        link = ["nice", CXX, "-shared", *flags, *(str(obj) for _, obj in objects), "-o", str(library)]
         result = subprocess.run(link, capture_output=True, text=True)
         if result.returncode != 0:
             raise BuildError(f"{' '.join(link)}\n{result.stderr}")
-        os.replace(library, target)  # atomic: a concurrent build sees all or nothing
+        (work / "source.metal").write_text(text)
+        os.replace(work / "source.metal", target.parent / "source.metal")
+        os.replace(library, target)  # atomic, and last: a concurrent build sees all or nothing
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target

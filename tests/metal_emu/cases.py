@@ -56,25 +56,32 @@ def attended(lens, starts, rows: int, t: int, window: int | None) -> np.ndarray:
 
 def make_case(rng: np.random.Generator, dtype: str, d: int, h_kv: int, g: int, t: int, lens: list[int],
               extra_capacity: int = 5, *, rows: int = 1, starts: list[int] | None = None,
-              window: int | None = None, sinks: bool = False) -> Case:
-    """Keys/values are ``cache[:, :, :t]`` of a cache with ``extra_capacity``
-    more positions; every position no query row of a request attends is NaN
-    (keys) and inf (values), the extra ones included. Queries are every other
-    row of a larger buffer; sinks (when asked for) every other element of one."""
+              window: int | None = None, sinks: bool = False, row_pad: int = 0) -> Case:
+    """Keys/values are ``cache[:, :, :t, :d]`` of a cache with ``extra_capacity``
+    more positions and rows of ``d + row_pad`` elements; every position no
+    query row of a request attends is NaN (keys) and inf (values), the extra
+    ones included, and so are the pad elements. Queries are every other row of
+    a larger buffer (rows padded alike); sinks (when asked for) every other
+    element of one."""
     b = len(lens)
-    cache_k = rng.standard_normal((b, h_kv, t + extra_capacity, d))
-    cache_v = rng.standard_normal((b, h_kv, t + extra_capacity, d))
+    width = d + row_pad
+    cache_k = rng.standard_normal((b, h_kv, t + extra_capacity, width))
+    cache_v = rng.standard_normal((b, h_kv, t + extra_capacity, width))
     unread = np.ones((b, t + extra_capacity), dtype=bool)
     unread[:, :t] = ~attended(lens, starts, rows, t, window)
     cache_k.transpose(0, 2, 1, 3)[unread] = np.nan
     cache_v.transpose(0, 2, 1, 3)[unread] = np.inf
-    q_buffer = to_dtype(rng.standard_normal((b, h_kv * g, 2 * rows, d)), dtype)
+    cache_k[..., d:] = np.nan
+    cache_v[..., d:] = np.inf
+    q_buffer = rng.standard_normal((b, h_kv * g, 2 * rows, width))
+    q_buffer[..., d:] = np.nan
+    q_buffer = to_dtype(q_buffer, dtype)
     sink_buffer = (1.5 * rng.standard_normal(2 * h_kv * g)).astype(np.float32)
     return Case(
         dtype=dtype,
-        queries=q_buffer[:, :, 1::2],
-        keys=to_dtype(cache_k, dtype)[:, :, :t],
-        values=to_dtype(cache_v, dtype)[:, :, :t],
+        queries=q_buffer[:, :, 1::2, :d],
+        keys=to_dtype(cache_k, dtype)[:, :, :t, :d],
+        values=to_dtype(cache_v, dtype)[:, :, :t, :d],
         valid_lens=np.array(lens, dtype=np.int32),
         scale=float(d) ** -0.5,
         kv_starts=None if starts is None else np.array(starts, dtype=np.int32),

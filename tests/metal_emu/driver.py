@@ -1,4 +1,5 @@
-"""ctypes front end of the harness library: the launch plan and emulated calls.
+"""ctypes front end of the harness library: the launch plan, the run-time
+library names and sources, the backend choice, and emulated calls.
 
 Arrays follow the op's contract: queries [B, H_q, L, D], keys/values
 [B, H_kv, T, D] (any strides, last axis contiguous), valid_lens and kv_starts
@@ -17,6 +18,12 @@ import numpy as np
 DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
 STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
 BACKENDS = {"fibers": 0, "threads": 1}
+# The kernels' buffer indices (csrc/metal/launch_plan.h, BufferIndex).
+BUFFERS = ("queries", "keys", "values", "valid_lens", "kv_starts", "sinks", "out", "partial_acc", "partial_max",
+           "partial_sum", "params")
+# Device copies start on this boundary (Metal buffers start at least this aligned), plus any shift.
+ALIGNMENT = 16
+MAX_BUFFERS = 16
 
 
 class HarnessError(RuntimeError):
@@ -44,28 +51,38 @@ class Plan(ctypes.Structure):
     ]
 
 
+class Launch(ctypes.Structure):
+    """Mirror of MbdLaunch in launcher.cpp."""
+
+    _fields_ = [("vector_loads", ctypes.c_int), ("loaded", (ctypes.c_ulonglong * MAX_BUFFERS) * 2)]
+
+
 def effective_window(window: int | None, t: int) -> int:
     """The window the kernels apply, as ``effective_window`` in csrc/batched_decode_attention.h:
     ``window`` when set and shorter than T, else T (1 when T == 0)."""
     return window if window is not None and 0 < window < t else max(t, 1)
 
 
-def _device_copy(view: np.ndarray, nan_margins: bool) -> tuple[np.ndarray, int]:
-    """A buffer holding the memory ``view`` spans (from its first element) and
-    the address of that first element in it.
+def _device_copy(view: np.ndarray, nan_margins: bool, shift: int = 0) -> tuple[np.ndarray, int, int]:
+    """A buffer holding the memory ``view`` spans (from its first element), the
+    address of that first element in it, and the span in bytes.
 
-    With margins, NaN bytes as wide as the span lie before and after it, so a
-    read before or past the view lands in its own padding or in NaN and shows
-    up in the result; without them, the allocation is exactly the span, for
-    AddressSanitizer to report such reads.
+    The first element sits ``shift`` bytes past a 16-byte boundary. With
+    margins, NaN bytes (at least as wide as the span) lie before and after it,
+    so a read before or past the view lands in its own padding or in NaN and
+    shows up in the result; without them, the allocation ends exactly at the
+    span, for AddressSanitizer to report such reads.
     """
     if min(view.strides, default=0) < 0:
         raise ValueError("negative strides are not supported")
     span = int((np.array(view.shape) - 1) @ np.array(view.strides)) + view.itemsize if view.size else 0
-    margin = span if nan_margins else 0
-    buffer = np.full(max(1, span + 2 * margin), 0xFF, dtype=np.uint8)
-    ctypes.memmove(buffer.ctypes.data + margin, view.ctypes.data, span)
-    return buffer, buffer.ctypes.data + margin
+    margin = -(-span // ALIGNMENT) * ALIGNMENT if nan_margins else 0
+    buffer = np.full(max(1, shift + span + 2 * margin), 0xFF, dtype=np.uint8)
+    if buffer.ctypes.data % ALIGNMENT:
+        raise HarnessError(f"numpy allocated a buffer off a {ALIGNMENT}-byte boundary")
+    first = buffer.ctypes.data + margin + shift
+    ctypes.memmove(first, view.ctypes.data, span)
+    return buffer, first, span
 
 
 class EmulatedLibrary:
@@ -77,8 +94,18 @@ class EmulatedLibrary:
                                            ctypes.c_char_p, ctypes.c_int]
         self._lib.mbd_emu_poison.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_int]
         self._lib.mbd_emu_attention.argtypes = [
-            ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(ctypes.c_longlong * 12),
-            *[ctypes.c_void_p] * 7, ctypes.c_float, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+            ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(ctypes.c_longlong * 12), *[ctypes.c_void_p] * 6,
+            ctypes.POINTER(ctypes.c_ulonglong * 6), ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_char_p,
+            ctypes.c_int]
+        self._lib.mbd_emu_last_launch.argtypes = [ctypes.POINTER(Launch)]
+        self._lib.mbd_emu_library_name.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p]
+        self._lib.mbd_emu_library_source.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p,
+                                                     ctypes.c_longlong]
+        self._lib.mbd_emu_library_source.restype = ctypes.c_longlong
+        self._lib.mbd_emu_metal_backend.argtypes = [ctypes.c_int, ctypes.c_int]
+        self._lib.mbd_emu_metal_backend.restype = ctypes.c_char_p
+        # Only a "loads" build links the hooks of g++'s load instrumentation (load_counter.cpp).
+        self.counts_loads = hasattr(self._lib, "__asan_loadN_noabort")
 
     def dispatch(self, kernel: str, buffers: list[np.ndarray], grid: tuple, group: tuple,
                  constants: dict[int, int] | None = None, backend: str = "fibers") -> None:
@@ -118,7 +145,7 @@ class EmulatedLibrary:
     def attention(self, queries: np.ndarray, keys: np.ndarray, values: np.ndarray, valid_lens: np.ndarray,
                   dtype: str, scale: float, *, kv_starts: np.ndarray | None = None, window: int | None = None,
                   sinks: np.ndarray | None = None, max_threads: int = 1024, backend: str = "fibers",
-                  nan_margins: bool = True, unreadable: np.ndarray | None = None) -> np.ndarray:
+                  nan_margins: bool = True, unreadable: np.ndarray | None = None, shift: int = 0) -> np.ndarray:
         """Runs the emulated kernels; returns the [B, H_q, L, D] output in the storage dtype.
 
         ``kv_starts``, ``window`` (an int >= 1) and ``sinks``: the op's options,
@@ -126,7 +153,9 @@ class EmulatedLibrary:
         maxTotalThreadsPerThreadgroup; ``backend`` is "fibers" (deterministic)
         or "threads"; ``nan_margins``, see ``_device_copy``; ``unreadable``, bool
         [B, T]: K/V positions (all heads) that AddressSanitizer reports any read
-        of (an AddressSanitizer build only).
+        of (an AddressSanitizer build only); ``shift``: the first elements of Q, K
+        and V sit this many elements past a 16-byte boundary (1: too few for
+        any vector load).
         """
         b, h_q, rows, d = queries.shape
         h_kv, t = keys.shape[1], keys.shape[2]
@@ -144,9 +173,10 @@ class EmulatedLibrary:
             if array is not None and (array.dtype != kind or array.strides[0] % 4):
                 raise ValueError(f"{name} must be {kind.__name__} with a stride of whole elements")
         # The buffers stay alive in ``copies`` while the kernels read them at ``addresses``.
-        copies = [None if a is None else _device_copy(a, nan_margins)
-                  for a in (queries, keys, values, valid_lens, kv_starts, sinks)]
+        copies = [None if a is None else _device_copy(a, nan_margins, shift * itemsize if i < 3 else 0)
+                  for i, a in enumerate((queries, keys, values, valid_lens, kv_starts, sinks))]
         addresses = [None if c is None else c[1] for c in copies]
+        spans = (ctypes.c_ulonglong * 6)(*(0 if c is None else c[2] for c in copies))
         option_strides = [0 if a is None else a.strides[0] // 4 for a in (kv_starts, sinks)]
         # Poisoned output: an element the kernel never writes stays NaN.
         out = np.full((b, h_q, rows, d), 0xFFFF if dtype == "bfloat16" else np.nan, dtype=STORAGE[dtype])
@@ -157,9 +187,9 @@ class EmulatedLibrary:
             self._shape(b, h_q, h_kv, rows, t, d, effective_window(window, t), dtype, max_threads,
                         kv_starts is not None, sinks is not None),
             (ctypes.c_longlong * 12)(*(s // itemsize for s in strides), valid_lens.strides[0] // 4, *option_strides),
-            *addresses, out.ctypes.data, scale, BACKENDS[backend], error, 4096)
+            *addresses, spans, out.ctypes.data, scale, BACKENDS[backend], error, 4096)
         if unreadable is not None:
-            for buffer, _ in copies[1:3]:
+            for buffer, _, _ in copies[1:3]:
                 self._lib.mbd_emu_poison(buffer.ctypes.data, buffer.nbytes, 0)
         if status:
             raise HarnessError(error.value.decode())
@@ -167,10 +197,44 @@ class EmulatedLibrary:
 
     def _poison(self, copies, views, unreadable: np.ndarray) -> None:
         """Poisons the rows of positions ``unreadable`` [B, T] in the device copies of K/V views."""
-        for (_, address), view in zip(copies, views):
+        for (_, address, _), view in zip(copies, views):
             row = view.shape[3] * view.itemsize
             for b, t in zip(*np.nonzero(unreadable)):
                 for h in range(view.shape[1]):
                     start = address + int(b * view.strides[0] + h * view.strides[1] + t * view.strides[2])
                     if self._lib.mbd_emu_poison(start, row, 1):
                         raise HarnessError("unreadable positions need an AddressSanitizer build")
+
+    def vector_loads(self) -> bool:
+        """Whether the last ``attention`` call loaded whole vectors (the launch plan's
+        ``vector_loads``: every Q, K and V row on the vector width) or scalars."""
+        launch = Launch()
+        self._lib.mbd_emu_last_launch(ctypes.byref(launch))
+        return bool(launch.vector_loads)
+
+    def loads(self) -> dict[str, dict[str, int]]:
+        """Bytes the last ``attention`` call loaded from each buffer, per pass:
+        ``{"main": {"keys": n, ...}, "reduce": {...}}`` (a "loads" build only)."""
+        if not self.counts_loads:
+            raise HarnessError('load counts need build_library(..., sanitize="loads")')
+        launch = Launch()
+        self._lib.mbd_emu_last_launch(ctypes.byref(launch))
+        return {name: dict(zip(BUFFERS, counts)) for name, counts in zip(("main", "reduce"), launch.loaded)}
+
+    def library_name(self, source_hash: str, dtype: str, d: int) -> str:
+        """``library_name`` of csrc/metal/kernel_library.h: the run-time library of (dtype, D)."""
+        out = ctypes.create_string_buffer(128)
+        self._lib.mbd_emu_library_name(source_hash.encode(), DTYPES[dtype], d, out)
+        return out.value.decode()
+
+    def library_source(self, source: str, dtype: str, d: int) -> str:
+        """``library_source`` of csrc/metal/kernel_library.h: what eval_gpu compiles for (dtype, D)."""
+        size = self._lib.mbd_emu_library_source(source.encode(), DTYPES[dtype], d, None, 0)
+        out = ctypes.create_string_buffer(size + 1)
+        self._lib.mbd_emu_library_source(source.encode(), DTYPES[dtype], d, out, size + 1)
+        return out.value.decode()
+
+    def metal_backend(self, metal_present: bool, metallib_on_disk: bool) -> str | None:
+        """``choose_metal_backend`` of csrc/metal/backend_choice.h, by name."""
+        name = self._lib.mbd_emu_metal_backend(int(metal_present), int(metallib_on_disk))
+        return None if name is None else name.decode()

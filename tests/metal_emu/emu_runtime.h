@@ -65,6 +65,25 @@ void read_function_constant(int index, void* value, std::size_t size);
 
 enum class Backend { fibers = 0, threads = 1 };
 
+/** A bound buffer whose loads are counted: [begin, end) holds buffer `index`. */
+struct WatchedBuffer {
+  const void* begin;
+  const void* end;
+  int index;
+};
+
+// Buffer indices the load counts cover (the kernels bind 0..10).
+constexpr int kMaxBuffers = 16;
+
+/** Replaces the watched buffers and zeroes their counts. */
+void watch_buffers(const WatchedBuffer* buffers, int count);
+
+/** Called for every load of a "loads" build (load_counter.cpp): adds `bytes` to the buffer holding `address`. */
+void count_load(const void* address, std::size_t bytes);
+
+/** Bytes loaded from each buffer index since watch_buffers; all zero in other builds. */
+void loaded_bytes(unsigned long long out[kMaxBuffers]);
+
 /**
  * Runs the kernel `name` on a grid of threadgroups, one threadgroup after
  * another. `buffers[i]` is what the host bound at index i, `constants` the

@@ -1,6 +1,8 @@
-// C entry points of the harness library: the shared launch plan, and one
-// emulated decode attention call that binds and dispatches exactly as the
-// Metal launcher (csrc/metal/batched_decode_attention_gpu.cpp) does.
+// C entry points of the harness library: the shared launch plan, run-time
+// library names and sources, and backend choice, and one emulated decode
+// attention call that binds and dispatches exactly as the Metal launcher
+// (csrc/metal/batched_decode_attention_gpu.cpp) does.
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -8,6 +10,8 @@
 #include <vector>
 
 #include "emu_runtime.h"
+#include "metal/backend_choice.h"
+#include "metal/kernel_library.h"
 #include "metal/launch_plan.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -36,6 +40,23 @@ void copy3(const Size3& s, unsigned out[3]) {
   out[2] = unsigned(s.z);
 }
 
+// The buffers bound at the kernels' indices, each counted once: an absent
+// option or an unused partial is bound to another buffer's memory.
+std::vector<emu::WatchedBuffer> distinct_buffers(void* const* buffers, const unsigned long long* bytes) {
+  std::vector<emu::WatchedBuffer> out;
+  for (int i = 0; i <= kParams; ++i) {
+    const char* begin = static_cast<const char*>(buffers[i]);
+    bool seen = false;
+    for (const emu::WatchedBuffer& w : out) {
+      seen |= w.begin == begin;
+    }
+    if (!seen) {
+      out.push_back({begin, begin + bytes[i], i});
+    }
+  }
+  return out;
+}
+
 } // namespace
 
 extern "C" {
@@ -48,6 +69,15 @@ struct MbdPlan {
   int num_splits, split_len, keys_span, rows_per_group, row_chunks, vector_width;
   unsigned long long partial_acc_elems, partial_stats_elems;
 };
+
+/** What the last mbd_emu_attention call did: the vector-load decision and, in
+ * a "loads" build, the bytes each pass (main, reduce) loaded per buffer index. */
+struct MbdLaunch {
+  int vector_loads;
+  unsigned long long loaded[2][emu::kMaxBuffers];
+};
+
+static MbdLaunch last_launch;
 
 /** shape = {B, H_q, H_kv, L, T, D, window (effective), dtype (0 f16, 1 bf16, 2 f32),
  * max threads, has kv_starts, has sinks}. */
@@ -81,14 +111,17 @@ int mbd_emu_plan(const int shape[11], MbdPlan* out, char* error, int error_len) 
 /**
  * Emulated batched decode attention. strides = {q batch, q head, q row, k batch,
  * k head, k seq, v batch, v head, v seq, lens, starts, sinks} in elements;
- * kv_starts and sinks may be null when the shape says they are absent; out is
- * a contiguous [B, H_q, L, D] buffer of the queries' dtype. backend: 0 fibers,
- * 1 threads.
+ * kv_starts and sinks may be null when the shape says they are absent;
+ * input_bytes: the bytes of queries, keys, values, valid_lens, kv_starts and
+ * sinks from their first element (for the load counts); out is a contiguous
+ * [B, H_q, L, D] buffer of the queries' dtype. backend: 0 fibers, 1 threads.
  */
 int mbd_emu_attention(const int shape[11], const long long strides[12], const void* queries,
                       const void* keys, const void* values, const int* valid_lens, const int* kv_starts,
-                      const float* sinks, void* out, float scale, int backend, char* error, int error_len) {
+                      const float* sinks, const unsigned long long input_bytes[6], void* out, float scale,
+                      int backend, char* error, int error_len) {
   try {
+    std::memset(&last_launch, 0, sizeof(last_launch));
     const LaunchShape s = to_shape(shape);
     if (s.batch == 0) {  // as eval_gpu: nothing to launch
       return 0;
@@ -97,6 +130,12 @@ int mbd_emu_attention(const int shape[11], const long long strides[12], const vo
     const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
                           strides[6], strides[7], strides[8], strides[9], strides[10], strides[11]};
     BatchedDecodeParams params = make_params(s, plan, st, scale);
+    // Addresses are offsets from address 0, as aligned as the start of a Metal buffer.
+    const InputOffsets offsets{int64_t(reinterpret_cast<std::uintptr_t>(queries)),
+                               int64_t(reinterpret_cast<std::uintptr_t>(keys)),
+                               int64_t(reinterpret_cast<std::uintptr_t>(values))};
+    const bool vectors = vector_loads(s, plan, st, offsets);
+    last_launch.vector_loads = vectors;
 
     // NaN-filled partials: a split that wrote nothing shows up in the result.
     const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -120,21 +159,61 @@ int mbd_emu_attention(const int shape[11], const long long strides[12], const vo
     buffers[kPartialSum] = split ? static_cast<void*>(partial_sum.data()) : out;
     buffers[kParams] = &params;
 
+    const uint64_t out_bytes = uint64_t(s.batch) * s.num_q_heads * s.num_rows * s.head_dim * dtype_size(s.dtype);
+    unsigned long long bytes[kParams + 1] = {input_bytes[0], input_bytes[1], input_bytes[2], input_bytes[3],
+                                             input_bytes[4], input_bytes[5], out_bytes};
+    bytes[kPartialAcc] = split ? partial_acc.size() * sizeof(float) : out_bytes;
+    bytes[kPartialMax] = split ? partial_max.size() * sizeof(float) : out_bytes;
+    bytes[kPartialSum] = split ? partial_sum.size() * sizeof(float) : out_bytes;
+    bytes[kParams] = sizeof(params);
+    const std::vector<emu::WatchedBuffer> watched = distinct_buffers(buffers, bytes);
+
     unsigned grid[3], group[3];
     copy3(plan.grid, grid);
     copy3(plan.group, group);
-    const emu::ConstantValue rows{MBD_FC_ROWS, &plan.rows_per_group, sizeof(int)};
+    const emu::ConstantValue constants[] = {{MBD_FC_ROWS, &plan.rows_per_group, sizeof(int)},
+                                            {MBD_FC_VECTOR_LOADS, &vectors, sizeof(bool)}};
+    emu::watch_buffers(watched.data(), int(watched.size()));
     std::string problem =
-        emu::dispatch(plan.kernel.c_str(), buffers, kParams + 1, grid, group, emu::Backend(backend), &rows, 1);
+        emu::dispatch(plan.kernel.c_str(), buffers, kParams + 1, grid, group, emu::Backend(backend), constants, 2);
+    emu::loaded_bytes(last_launch.loaded[0]);
     if (problem.empty() && split) {
       copy3(plan.reduce_grid, grid);
       copy3(plan.reduce_group, group);
+      emu::watch_buffers(watched.data(), int(watched.size()));
       problem = emu::dispatch(plan.reduce_kernel.c_str(), buffers, kParams + 1, grid, group, emu::Backend(backend));
+      emu::loaded_bytes(last_launch.loaded[1]);
     }
     return problem.empty() ? 0 : report(problem, error, error_len);
   } catch (const std::exception& e) {
     return report(e.what(), error, error_len);
   }
+}
+
+/** What the last mbd_emu_attention call did. */
+void mbd_emu_last_launch(MbdLaunch* out) {
+  *out = last_launch;
+}
+
+/** library_name of csrc/metal/kernel_library.h. */
+void mbd_emu_library_name(const char* source_hash, int dtype, int head_dim, char out[128]) {
+  std::strncpy(out, library_name(source_hash, KernelDtype(dtype), head_dim).c_str(), 127);
+  out[127] = '\0';
+}
+
+/** library_source of csrc/metal/kernel_library.h, written to out when it fits
+ * (out_len bytes, the NUL included); returns its length. */
+long long mbd_emu_library_source(const char* source, int dtype, int head_dim, char* out, long long out_len) {
+  const std::string text = library_source(source, KernelDtype(dtype), head_dim);
+  if (out_len > (long long)text.size()) {
+    std::memcpy(out, text.c_str(), text.size() + 1);
+  }
+  return (long long)text.size();
+}
+
+/** choose_metal_backend of csrc/metal/backend_choice.h, by name (null for none). */
+const char* mbd_emu_metal_backend(int metal_present, int metallib_on_disk) {
+  return metal_backend_name(choose_metal_backend(metal_present != 0, metallib_on_disk != 0));
 }
 
 /**

@@ -67,6 +67,9 @@ template <typename T>
 T max(T a, T b) { return a < b ? b : a; }
 template <typename T>
 T min(T a, T b) { return b < a ? b : a; }
+// On floats, as MSL's fmax/fmin outside fast math: a NaN argument yields the other one.
+inline float max(float a, float b) { return std::fmax(a, b); }
+inline float min(float a, float b) { return std::fmin(a, b); }
 template <typename T>
 T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 
 from .build import CACHE
 from .sources import kernel_sources
@@ -47,11 +46,39 @@ MUTATIONS = {
         "pos + 1};",
         "pos + 2};",
     ),
+    # The online softmax's exp(-inf - -inf): a key scoring -inf as a state's first turns it NaN.
+    "unguarded_rescale": (
+        "const float factor = bda_weight(m[r], m_new);",
+        "const float factor = exp(m[r] - m_new);",
+    ),
+    "unguarded_probability": (
+        "const float prob = bda_weight(s, m_new);",
+        "const float prob = exp(s - m_new);",
+    ),
+    # The former answer for a row whose scores are all -inf: zeros instead of NaN.
+    "all_minus_inf_row_gives_zeros": (
+        "  const float m_all = max(m, sink);\n",
+        "  if (m == -bda_inf) {\n    return 0.0f;\n  }\n  const float m_all = max(m, sink);\n",
+    ),
+    "row_without_keys_not_zeroed": (
+        "const bool has_keys = row_lo[r] < row_hi[r];",
+        "const bool has_keys = true;",
+    ),
+    # Vector loads whatever the views' alignment (UBSan reports them, see test_metal_sanitizers).
+    "vector_loads_whatever_the_alignment": (
+        "constant bool bda_vector_loads [[function_constant(MBD_FC_VECTOR_LOADS)]];",
+        "constant bool bda_vector_loads = true;",
+    ),
 }
 
 
-def mutant_source(name: str, kernels: Iterable[str] | None = None) -> Path:
-    """A copy of the kernel sources with mutation ``name`` applied exactly once,
-    instantiating only the main kernels ``kernels`` (None: all), see ``sources``."""
+# Caught by the AddressSanitizer + UBSan build only (tests/test_metal_sanitizers.py):
+# on x86 a misaligned vector load reads the right bytes.
+SANITIZER_ONLY = {"vector_loads_whatever_the_alignment"}
+
+
+def mutant_source(name: str, kernels: Iterable[str] | None = None) -> str:
+    """The flattened source of a copy of the kernel sources with mutation ``name``
+    applied exactly once, compiling only the main kernels ``kernels`` (None: all), see ``sources``."""
     # A stable path: the build cache keys on it.
     return kernel_sources(CACHE / "mutants" / name, kernels, MUTATIONS[name])

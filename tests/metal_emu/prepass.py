@@ -1,8 +1,9 @@
 """Source pre-pass of the emulation harness: what no C++ macro can do.
 
-Reads a ``.metal`` file, inlines its quoted includes and rewrites four MSL
-constructs into the harness's C++, keeping every line where it was (``#line``
-directives) so that compiler errors and harness reports name ``.metal`` lines:
+Takes a flattened Metal source (cmake/metal_source.py: includes resolved,
+``#line`` directives naming the original files) and rewrites four MSL
+constructs into the harness's C++, keeping every line where it was, so that
+compiler errors and harness reports name ``.metal`` and header lines:
 
 - built-in parameters (``uint lid [[thread_index_in_simdgroup]]``) get the
   calling lane's value as default argument;
@@ -16,7 +17,6 @@ directives) so that compiler errors and harness reports name ``.metal`` lines:
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 BUILTINS = (
     "threadgroup_position_in_grid",
@@ -31,8 +31,6 @@ BUILTINS = (
     "threads_per_simdgroup",
 )
 
-_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"')
-_PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\b")
 _BUILTIN = re.compile(r"\[\[\s*(" + "|".join(BUILTINS) + r")\s*\]\]")
 _TG_VAR = re.compile(r"^(\s*)threadgroup\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w*)((?:\s*\[[^\]]+\])*)\s*;\s*$")
 _FUNCTION_CONSTANT = re.compile(
@@ -50,29 +48,6 @@ _INSTANTIATION = re.compile(
 
 class PrepassError(Exception):
     """The source uses something the harness does not emulate."""
-
-
-def _inline(path: Path, include_dirs: list[Path], seen: set[Path]) -> list[str]:
-    out = [f'#line 1 "{path}"']
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if _PRAGMA_ONCE.match(line):
-            out.append("")
-            continue
-        match = _INCLUDE.match(line)
-        if not match:
-            out.append(line)
-            continue
-        target = next(
-            (d / match.group(1) for d in [path.parent, *include_dirs] if (d / match.group(1)).is_file()), None
-        )
-        if target is None:
-            raise PrepassError(f"{path}:{number}: cannot find include {match.group(1)!r}")
-        target = target.resolve()
-        if target not in seen:
-            seen.add(target)
-            out.extend(_inline(target, include_dirs, seen))
-        out.append(f'#line {number + 1} "{path}"')
-    return out
 
 
 def _closing_paren(text: str, open_index: int) -> int:
@@ -125,11 +100,9 @@ def _registration(kernels: dict[str, list[int]], match: re.Match) -> str:
     return code + " \\\n" * match.group(0).count("\n")
 
 
-def prepass(source: Path, include_dirs: list[Path]) -> str:
-    """The C++ translation of ``source``, ready for g++ with the harness headers."""
-    source = source.resolve()
-    lines = _inline(source, [d.resolve() for d in include_dirs], {source})
-    text = "\n".join(_declaration(line) for line in lines) + "\n"
+def prepass(source: str) -> str:
+    """The C++ translation of the flattened Metal ``source``, ready for g++ with the harness headers."""
+    text = "\n".join(_declaration(line) for line in source.splitlines()) + "\n"
     if re.search(r"\[\[\s*threadgroup\(", text):
         raise PrepassError("[[threadgroup(n)]] kernel parameters are not emulated")
     text = _BUILTIN.sub(lambda m: f"[[maybe_unused]] = ::emu::builtins::{m.group(1)}()", text)

@@ -58,7 +58,9 @@ def reference_attention(queries, keys, values, valid_lens, scale, kv_starts=None
                 kv = h // (h_q // h_kv)
                 scores = keys[n, kv, lo:hi] @ queries[n, h, i] * scale
                 m = scores.max() if sinks is None else max(scores.max(), float(sinks[h]))
-                weights = np.exp(scores - m)
-                total = weights.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
-                out[n, h, i] = weights @ values[n, kv, lo:hi] / total
+                # Non-finite scores give NaN where a softmax does (all -inf: 0/0), quietly.
+                with np.errstate(invalid="ignore"):
+                    weights = np.exp(scores - m)
+                    total = weights.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+                    out[n, h, i] = weights @ values[n, kv, lo:hi] / total
     return out

@@ -5,7 +5,9 @@
 
 #include <ucontext.h>
 
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <condition_variable>
 #include <cstring>
 #include <map>
@@ -422,6 +424,36 @@ ThreadgroupMemory::ThreadgroupMemory(void* data, std::size_t bytes) {
   // First use inside a running threadgroup: poison now, later ones in run().
   std::memset(data, 0xFF, bytes);
   threadgroup_regions().emplace_back(data, bytes);
+}
+
+namespace {
+
+std::vector<WatchedBuffer> watched;
+std::atomic<unsigned long long> loaded[kMaxBuffers];
+
+} // namespace
+
+void watch_buffers(const WatchedBuffer* buffers, int count) {
+  watched.assign(buffers, buffers + count);
+  for (auto& bytes : loaded) {
+    bytes.store(0, std::memory_order_relaxed);
+  }
+}
+
+void count_load(const void* address, std::size_t bytes) {
+  // Lanes of the thread backend count concurrently; the set of buffers is fixed during a launch.
+  for (const WatchedBuffer& w : watched) {
+    if (std::less_equal<>()(w.begin, address) && std::less<>()(address, w.end)) {
+      loaded[w.index].fetch_add(bytes, std::memory_order_relaxed);
+      return;
+    }
+  }
+}
+
+void loaded_bytes(unsigned long long out[kMaxBuffers]) {
+  for (int i = 0; i < kMaxBuffers; ++i) {
+    out[i] = loaded[i].load(std::memory_order_relaxed);
+  }
 }
 
 KernelRegistration::KernelRegistration(const char* name, KernelFn fn, const int* indices, int count) {

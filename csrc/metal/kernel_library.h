@@ -1,0 +1,47 @@
+// The run-time Metal libraries: one per dtype and head dim, compiled from the
+// embedded source (csrc/metal_source.h) at the first call that needs them.
+// Plain C++, shared with the Linux emulation harness, which checks every name
+// and compiles such a source.
+#pragma once
+
+#include <string>
+
+#include "launch_plan.h"
+
+namespace mlx_batched_decode {
+
+/** The MSL type of a dtype, as the .metal instantiations spell it. */
+inline const char* msl_type(KernelDtype dtype) {
+  switch (dtype) {
+    case KernelDtype::float16:
+      return "half";
+    case KernelDtype::bfloat16:
+      return "bfloat";
+    case KernelDtype::float32:
+      return "float";
+  }
+  throw std::invalid_argument("[batched_decode_attention] unknown dtype");
+}
+
+/** The .metal line instantiating the main and reduce kernels of (dtype, D). */
+inline std::string kernel_instantiation(KernelDtype dtype, int head_dim) {
+  return std::string(is_fast_head_dim(head_dim) ? "instantiate_fast(" : "instantiate_generic(") +
+      dtype_name(dtype) + ", " + msl_type(dtype) + ", " + std::to_string(kernel_head_dim(head_dim)) + ")";
+}
+
+/** Name of the library of (dtype, D) in MLX's cache: the source's hash, then the kernels' suffix. */
+inline std::string library_name(const std::string& source_hash, KernelDtype dtype, int head_dim) {
+  return "mlx_batched_decode_" + source_hash + "_" + kernel_suffix(dtype, head_dim);
+}
+
+/**
+ * The source of that library: `source` (the whole embedded text) with its
+ * instantiations replaced by the two kernels of (dtype, D), through the
+ * source's MBD_KERNELS switch; the first call of a new dtype or head dim then
+ * compiles two kernels, not all of them.
+ */
+inline std::string library_source(const std::string& source, KernelDtype dtype, int head_dim) {
+  return "#define MBD_KERNELS " + kernel_instantiation(dtype, head_dim) + "\n" + source;
+}
+
+} // namespace mlx_batched_decode
