@@ -104,8 +104,10 @@ def running_server(command, log_path):
 def _prompt_words(i):
     # Mixed lengths from 1 to 57 words, some past the sliding window of 48.
     n = 1 + (i * 23) % 58
-    return " ".join(word(len(SPECIAL_TOKENS) + (i * 7 + 3 * j) % (VOCAB - len(SPECIAL_TOKENS)))
-                    for j in range(n))
+    return " ".join(
+        word(len(SPECIAL_TOKENS) + (i * 7 + 3 * j) % (VOCAB - len(SPECIAL_TOKENS)))
+        for j in range(n)
+    )
 
 
 def _one_request(client, i):

@@ -122,8 +122,7 @@ def test_main_job_tensor_parallel_prints_the_table_once():
         assert row.split()[-1] == "3/3", row
     assert stdout.count("tensor parallel: 2 ranks; per decode step 8 all-reduces") == 1
     assert (
-        stdout.count("OK: every request's tokens equal the unsharded model's single-request")
-        == 1
+        stdout.count("OK: every request's tokens equal the unsharded model's single-request") == 1
     )
     assert "FAILED" not in stderr
 
