@@ -5,6 +5,7 @@ attention call it serves equals mlx-lm's masked attention on the same cache; wha
 stays on mlx-lm's path and is counted; ``disable()`` restores everything.
 """
 
+import gc
 import importlib
 import pkgutil
 import random
@@ -28,6 +29,7 @@ from mlx_lm.models.cache import (  # noqa: E402
 
 import mlx_batched_decode.mlx_lm as plugin  # noqa: E402
 from mlx_batched_decode import _ext  # noqa: E402
+from mlx_batched_decode.mlx_lm import patches  # noqa: E402
 from mlx_batched_decode.mlx_lm.routing import DecodeRouter  # noqa: E402
 from mlx_batched_decode.random_model import random_model  # noqa: E402
 
@@ -140,14 +142,17 @@ def test_batch_generate_greedy_equals_mlx_lm(models, family):
     expected_eos = _batch_generate(model, eos=[eos])
     assert expected_eos != expected
 
+    layers = FAMILIES[family]["num_hidden_layers"]
     kernel_calls = _ext.cpu_kernel_calls()
     with plugin.enabled():
         assert _batch_generate(model) == expected
         assert _batch_generate(model, eos=[eos]) == expected_eos
         mx.synchronize(generation_stream)
         stats = plugin.stats()
+        # A mask's tag lives as long as the mask: a long-running server does not accumulate them.
+        gc.collect()
+        assert len(patches._active.tags._tags) <= 2 * layers
     calls = _ext.cpu_kernel_calls() - kernel_calls
-    layers = FAMILIES[family]["num_hidden_layers"]
     # The op ran for every call it served, but the last layer of a step whose logits mlx-lm
     # never reads (the layers before it feed the cache of the next one).
     assert stats.served - 2 * layers <= calls <= stats.served
@@ -160,8 +165,9 @@ def test_batch_generate_greedy_equals_mlx_lm(models, family):
 
 
 def _merged_caches(make, lens, heads, head_dim, seed):
-    """A left-padded batch cache from per-request caches of ``lens`` tokens, as mlx-lm builds it
-    when requests join a batch, with NaN in every padding position."""
+    """Two copies of the left-padded batch cache mlx-lm builds from per-request caches of
+    ``lens`` tokens when they join a batch: the first with NaN in every padding position, the
+    second as mlx-lm leaves it (zeros there)."""
     singles = []
     for i, n in enumerate(lens):
         single = make()

@@ -45,7 +45,9 @@ class MaskTags:
 
     def __init__(self) -> None:
         self._tags: dict[int, tuple[weakref.ref, MaskTag]] = {}
-        self._lock = threading.Lock()
+        # Reentrant: a weak-reference callback can run inside add() when an allocation there
+        # lets the garbage collector free another mask.
+        self._lock = threading.RLock()
 
     def add(self, mask: mx.array, tag: MaskTag) -> None:
         key = id(mask)
@@ -65,10 +67,6 @@ class MaskTags:
         if entry is None or entry[0]() is not mask:
             return None
         return entry[1]
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._tags)
 
 
 def tagging_batch_kv_make_mask(original: Callable, tags: MaskTags) -> Callable:

@@ -112,6 +112,7 @@ def disable() -> None:
 
 
 def is_enabled() -> bool:
+    """Whether the plug-in is on."""
     return _active is not None
 
 
