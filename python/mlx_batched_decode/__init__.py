@@ -6,6 +6,8 @@ cached keys, within an optional sliding window and with optional attention
 sinks, in one fused kernel (C++ on the CPU, Metal on Apple GPUs), reading
 strided cache views in place. ``BatchedDecoder`` runs unchanged mlx-lm models
 through it with continuous batching and, given a draft model, speculatively.
+``mlx_batched_decode.mlx_lm.enable()`` makes mlx-lm's own batched generation (and
+``mlx_lm.server``, as ``python -m mlx_batched_decode.serve``) decode through it.
 """
 
 import mlx.core  # noqa: F401  registers MLX's types before the extension loads

@@ -6,6 +6,13 @@ bar on stderr), checks every request's tokens against mlx-lm's own single-reques
 and prints generated tokens/s for this project, the seed-style path (per-request caches, pad,
 concatenate, masked SDPA) and mlx-lm's ``batch_generate`` on the same model and prompts.
 Exits with status 1 when a request of this project's path differs from its single-request decode.
+
+With ``--tensor-parallel``, started under ``mlx.launch`` (e.g. ``mlx.launch -n 2 --backend ring
+--python "$(which python)" -- -m mlx_batched_decode --tensor-parallel``), every rank shards the
+model over ``mx.distributed.init()``'s group with mlx-lm's ``model.shard`` and runs the same
+three paths on it; each rank checks its tokens against the single-request decode of the
+unsharded model (which it also holds), rank 0 prints the table once, and the cost of one
+step's all-reduces is measured and printed.
 """
 
 from __future__ import annotations
@@ -14,18 +21,19 @@ import argparse
 import random
 import sys
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
-# Tiny on purpose: the main job must finish in seconds on a CPU; head dim 64 and GQA group 4.
+# Tiny on purpose: the main job must finish in seconds on a CPU; head dim 64 and GQA group 4, with
+# two KV heads so that --tensor-parallel can split them over 2 ranks.
 DEMO_CONFIG = dict(
     model_type="llama",
     hidden_size=256,
     num_hidden_layers=4,
     intermediate_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=1,
+    num_attention_heads=8,
+    num_key_value_heads=2,
     head_dim=64,
     rms_norm_eps=1e-5,
     vocab_size=1024,
@@ -62,6 +70,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the random weights and prompts"
     )
+    parser.add_argument(
+        "--tensor-parallel",
+        action="store_true",
+        help="shard the model over mx.distributed.init()'s group (start under mlx.launch); "
+        "rank 0 prints",
+    )
     return parser.parse_args(argv)
 
 
@@ -70,13 +84,18 @@ class _Run(NamedTuple):
     tokens: list[list[int]]
     prefill_seconds: float
     decode_seconds: float
+    steps: int
+
+
+def _quiet(*args, **kwargs) -> None:
+    """``print`` on the ranks that do not print."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     try:
         import mlx_lm
-        from mlx_lm.generate import batch_generate, generate_step
+        from mlx_lm.generate import batch_generate, generate_step, generation_stream
     except ImportError:
         print(
             "The main job runs mlx-lm models: pip install 'mlx-batched-decode[mlx-lm]'",
@@ -85,30 +104,58 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .decoder import BatchedDecoder
     from .random_model import random_model
+    from .tensor_parallel import all_reduce_seconds, shard
 
+    group = mx.distributed.init() if args.tensor_parallel else None
+    if group is not None and group.size() < 2:
+        print(
+            "--tensor-parallel needs several processes: start it under mlx.launch, e.g. "
+            'mlx.launch -n 2 --backend ring --python "$(which python)" -- '
+            "-m mlx_batched_decode --tensor-parallel",
+            file=sys.stderr,
+        )
+        return 2
+    is_root = group is None or group.rank() == 0
+    say = print if is_root else _quiet
+
+    def build():
+        if args.model:
+            return mlx_lm.load(args.model)
+        return random_model(DEMO_CONFIG, seed=args.seed), _NoTokenizer()
+
+    model, tokenizer = build()
+    # The unsharded model: the reference every rank's tokens are checked against.
+    reference_model = model
     if args.model:
-        model, tokenizer = mlx_lm.load(args.model)
         what = args.model
     else:
-        model, tokenizer = random_model(DEMO_CONFIG, seed=args.seed), _NoTokenizer()
         what = (
             f"random-weight Llama: {DEMO_CONFIG['num_hidden_layers']} layers, "
             f"{DEMO_CONFIG['num_attention_heads']}/{DEMO_CONFIG['num_key_value_heads']} heads, "
             f"head dim {DEMO_CONFIG['head_dim']}, float32"
         )
+    if group is not None:
+        try:
+            model = shard(build()[0], group)
+        except ValueError as e:
+            say(str(e), file=sys.stderr)
+            return 2
+        what += f", sharded over {group.size()} ranks"
     stop_tokens = sorted(tokenizer.eos_token_ids)
-    vocab = model.args.vocab_size
+    vocab = reference_model.args.vocab_size
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in args.prompt_lens]
-    print(f"model: {what}")
-    print(
+    say(f"model: {what}")
+    say(
         f"requests: {len(prompts)}, prompt lengths {args.prompt_lens}, "
         f"{args.max_tokens} new tokens each, greedy"
     )
 
     def single_request(prompt: list[int]) -> list[int]:
         tokens = []
-        for token, _ in generate_step(mx.array(prompt), model, max_tokens=args.max_tokens):
+        for token, _ in generate_step(
+            mx.array(prompt), reference_model, max_tokens=args.max_tokens
+        ):
             if token in stop_tokens:
                 break
             tokens.append(token)
@@ -117,28 +164,41 @@ def main(argv: list[str] | None = None) -> int:
     def ours(name: str, path: str, progress: bool) -> _Run:
         decoder = BatchedDecoder(model, attention=path)
         tokens = decoder.generate(
-            prompts, args.max_tokens, stop_tokens=stop_tokens, progress=progress
+            prompts, args.max_tokens, stop_tokens=stop_tokens, progress=progress and is_root
         )
-        return _Run(name, tokens, decoder.stats.prefill_seconds, decoder.stats.decode_seconds)
+        stats = decoder.stats
+        return _Run(name, tokens, stats.prefill_seconds, stats.decode_seconds, stats.steps)
 
-    def mlx_lm_batch(name: str) -> _Run:
+    def mlx_lm_batch(prompts: list[list[int]], max_tokens: int) -> Any:
         response = batch_generate(
-            model, tokenizer, prompts, max_tokens=args.max_tokens, return_token_ids=True
+            model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True
         )
+        # mlx-lm returns with the forward pass of a step nobody reads still running on its
+        # stream; a sharded model's next collectives must not interleave with its all-reduces.
+        mx.synchronize(generation_stream)
+        return response
+
+    def mlx_lm_run(name: str) -> _Run:
+        response = mlx_lm_batch(prompts, args.max_tokens)
+        stats = response.stats
         return _Run(
-            name, response.token_ids, response.stats.prompt_time, response.stats.generation_time
+            name,
+            response.token_ids,
+            stats.prompt_time,
+            stats.generation_time,
+            stats.generation_steps,
         )
 
     # Warm-up: the first call of each path pays one-time costs we do not want in the table.
     BatchedDecoder(model).generate(prompts[:2], 2)
     BatchedDecoder(model, attention="seed").generate(prompts[:2], 2)
-    batch_generate(model, tokenizer, prompts[:2], max_tokens=2)
+    mlx_lm_batch(prompts[:2], 2)
 
-    print("decoding with mlx-batched-decode:", file=sys.stderr)
+    say("decoding with mlx-batched-decode:", file=sys.stderr)
     runs = [
         ours("mlx-batched-decode (slot cache + fused op)", "slot", True),
         ours("seed-style (pad + concat + masked SDPA)", "seed", False),
-        mlx_lm_batch("mlx-lm batch_generate"),
+        mlx_lm_run("mlx-lm batch_generate"),
     ]
     expected = [single_request(p) for p in prompts]
 
@@ -157,23 +217,37 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    print("same model, same prompts, greedy; decode tokens/s = generated tokens / decode time:")
+    say("same model, same prompts, greedy; decode tokens/s = generated tokens / decode time:")
     for row in rows:
-        print(
+        say(
             "  ".join(
                 cell.ljust(w) if i == 0 else cell.rjust(w)
                 for i, (cell, w) in enumerate(zip(row, widths))
             )
         )
+    if group is not None:
+        hidden = reference_model.args.hidden_size
+        layers = len(reference_model.layers)
+        # o_proj and down_proj each sum the ranks' partial outputs once per layer and step.
+        reduce_s = all_reduce_seconds(group, (len(prompts), 1, hidden), 2 * layers)
+        step_s = runs[0].decode_seconds / runs[0].steps
+        say(
+            f"tensor parallel: {group.size()} ranks; per decode step {2 * layers} all-reduces of "
+            f"[{len(prompts)}, 1, {hidden}] float32 take {1e3 * reduce_s:.2f} ms (measured "
+            f"alone, chained), {100 * reduce_s / step_s:.0f}% of this project's "
+            f"{1e3 * step_s:.2f} ms step"
+        )
 
+    reference = "the unsharded model's" if group is not None else "its"
     mismatched = [i for i, (t, e) in enumerate(zip(runs[0].tokens, expected)) if t != e]
     if mismatched:
+        rank = f"rank {group.rank()}: " if group is not None else ""
         print(
-            f"FAILED: requests {mismatched} differ from their single-request decode",
+            f"FAILED: {rank}requests {mismatched} differ from {reference} single-request decode",
             file=sys.stderr,
         )
         return 1
-    print("OK: every request's tokens equal its single-request decode")
+    say(f"OK: every request's tokens equal {reference} single-request decode")
     return 0
 
 

@@ -1,0 +1,315 @@
+"""Server benchmark: mlx-lm's OpenAI-compatible server with and without the mlx-lm plug-in.
+
+Both servers (``python -m mlx_lm server`` and ``python -m mlx_batched_decode.serve``, same
+arguments) serve the same random-weight model, written once to a temporary folder with mlx-lm's
+own save functions and a word-level tokenizer (``mlx_batched_decode.model_folder``), on
+127.0.0.1 on a free port, one server at a time. N clients each send one streaming greedy
+``/v1/completions`` request at the same moment, with a prompt of 1-2k tokens (seeded random
+words: one word is one token) and the same ``--max-tokens``; the server's batched path
+(``BatchGenerator``) prefills them and decodes them together.
+
+Measured per run, from the clients' side (every streamed chunk is timed; with this tokenizer a
+chunk is one token):
+
+- TTFT: time from sending a request to its first token, median and max over the clients (mostly
+  prefill, which the plug-in leaves to mlx-lm);
+- decode tokens/s: tokens after each request's first / (last token of any request - first
+  token of any request);
+- steady tokens/s: tokens that arrive while all N requests are decoding / that window's length.
+
+Every request's text must be the same with and without the plug-in (greedy), or the script exits
+with status 1 after saving. The plug-in server's own count of attention calls served by the op is
+read from its log when it stops. Runs alternate between the two servers (``--rounds``); the table
+shows the median over rounds. Results: ``results/server.json``.
+
+The model is small because MLX's float32 CPU matmuls run at a few GFLOPS here and mlx-lm
+prefills with full causal attention: a Llama with 2 layers, hidden 128, 8 query heads and 8
+key/value heads of dim 64 (8 KiB of keys and values per token and layer in float32), MLP 256,
+vocabulary 1024. Prefilling 8 prompts of 1-2k tokens still takes about half a minute per server
+on 2 cores.
+
+    python benchmarks/bench_server.py                      # 8 clients, prompts 1024-2048, 64 tokens
+    python benchmarks/bench_server.py --clients 16 --rounds 3
+"""
+
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from mlx_batched_decode.model_folder import SPECIAL_TOKENS, save_model_folder, word
+
+from common import machine, print_table, save
+
+CONFIG = dict(
+    model_type="llama",
+    hidden_size=128,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    vocab_size=1024,
+    tie_word_embeddings=False,
+)
+SERVERS = {
+    "mlx-lm": [sys.executable, "-m", "mlx_lm", "server"],
+    "mlx-lm + plug-in": [sys.executable, "-m", "mlx_batched_decode.serve"],
+}
+STARTUP_TIMEOUT_S = 120
+REQUEST_TIMEOUT_S = 1800
+
+
+def _parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (N)")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        nargs=2,
+        default=[1024, 2048],
+        metavar=("MIN", "MAX"),
+        help="prompt lengths are drawn uniformly from MIN..MAX",
+    )
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each server, alternated")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(port):
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+
+
+@contextmanager
+def running_server(command, model_dir, log_path):
+    """The server on 127.0.0.1:free port; yields the port; always stopped (SIGINT, then kill)."""
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [
+                *command,
+                "--model",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _healthy(port):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("server did not start:\n" + Path(log_path).read_text())
+            time.sleep(0.2)
+        yield port
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _stream_completion(port, prompt, max_tokens, start):
+    """One streaming greedy completion after ``start`` is set: send time, chunk times, text."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+    body = json.dumps(
+        {
+            "model": "default_model",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    start.wait()
+    sent = time.perf_counter()
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+    times, text, tokens = [], "", None
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[len(b"data: ") :].strip()
+        if payload == b"[DONE]":
+            break
+        chunk = json.loads(payload)
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk["choices"] and chunk["choices"][0]["text"]:
+            times.append(time.perf_counter())
+            text += chunk["choices"][0]["text"]
+    connection.close()
+    return {"sent": sent, "times": times, "text": text, "tokens": tokens}
+
+
+def _run_clients(port, prompts, max_tokens):
+    """All clients at once; returns their results in prompt order."""
+    start = threading.Event()
+    results = [None] * len(prompts)
+    errors = []
+
+    def client(i):
+        try:
+            results[i] = _stream_completion(port, prompts[i], max_tokens, start)
+        except Exception as e:  # reported below, with the request it belongs to
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    start.set()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT_S)
+    if errors or any(r is None for r in results):
+        raise RuntimeError(f"requests failed: {errors or 'timed out'}")
+    return results
+
+
+def _measure(results):
+    firsts = [r["times"][0] for r in results]
+    lasts = [r["times"][-1] for r in results]
+    ttfts = [r["times"][0] - r["sent"] for r in results]
+    decode_tokens = sum(r["tokens"] - 1 for r in results)
+    steady_start, steady_end = max(firsts), min(lasts)
+    steady_tokens = sum(steady_start < t <= steady_end for r in results for t in r["times"])
+    return {
+        "ttft_median_s": statistics.median(ttfts),
+        "ttft_max_s": max(ttfts),
+        "decode_tokens": decode_tokens,
+        "decode_tokens_per_s": decode_tokens / (max(lasts) - min(firsts)),
+        "steady_tokens_per_s": (
+            steady_tokens / (steady_end - steady_start) if steady_end > steady_start else None
+        ),
+        "wall_s": max(lasts) - min(r["sent"] for r in results),
+    }
+
+
+def _served_calls(log_text):
+    marker = "batched_decode_attention served "
+    for line in log_text.splitlines():
+        if marker in line:
+            return int(line.split(marker)[1].split()[0])
+    return None
+
+
+def main():
+    args = _parse_args()
+    rng = random.Random(args.seed)
+    words = range(len(SPECIAL_TOKENS), CONFIG["vocab_size"])
+    lengths = [rng.randint(*args.prompt_tokens) for _ in range(args.clients)]
+    prompts = [" ".join(word(rng.choice(words)) for _ in range(n)) for n in lengths]
+    runs, texts = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_model_folder(CONFIG, Path(tmp, "model"), seed=args.seed)
+        for round_ in range(args.rounds):
+            order = list(SERVERS) if round_ % 2 == 0 else list(SERVERS)[::-1]
+            for name in order:
+                log_path = Path(tmp, "server.log")
+                print(f"round {round_ + 1}/{args.rounds}: {name} ...", file=sys.stderr, flush=True)
+                with running_server(SERVERS[name], model_dir, log_path) as port:
+                    # Warm-up: the first request pays one-time costs (model load, graph set-up).
+                    _run_clients(port, [prompts[0][:200]], 2)
+                    results = _run_clients(port, prompts, args.max_tokens)
+                texts.setdefault(name, []).append([r["text"] for r in results])
+                runs.append(
+                    {
+                        "server": name,
+                        "round": round_,
+                        **_measure(results),
+                        "served_attention_calls": _served_calls(log_path.read_text()),
+                    }
+                )
+
+    reference = texts["mlx-lm"][0]
+    mismatched = sorted(
+        {i for name in texts for run in texts[name] for i, t in enumerate(run) if t != reference[i]}
+    )
+    rows = []
+    for name in SERVERS:
+        mine = [r for r in runs if r["server"] == name]
+        row = {"server": name, "clients": args.clients, "rounds": len(mine)}
+        for key in ("ttft_median_s", "ttft_max_s", "decode_tokens_per_s", "steady_tokens_per_s"):
+            values = [r[key] for r in mine if r[key] is not None]
+            row[key] = statistics.median(values) if values else None
+        row["served_attention_calls"] = mine[-1]["served_attention_calls"]
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        row["decode_speedup"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+    print(
+        f"{args.clients} concurrent streaming clients, prompts {min(lengths)}-{max(lengths)} "
+        f"tokens, {args.max_tokens} new tokens each, greedy; model: {CONFIG['num_hidden_layers']}"
+        f"-layer Llama, {CONFIG['num_attention_heads']}/{CONFIG['num_key_value_heads']} heads, "
+        f"head dim {CONFIG['head_dim']}, float32"
+    )
+    print_table(
+        rows,
+        [
+            ("server", "server", "{}"),
+            ("ttft_median_s", "TTFT median s", "{:.2f}"),
+            ("ttft_max_s", "TTFT max s", "{:.2f}"),
+            ("decode_tokens_per_s", "decode tok/s", "{:.1f}"),
+            ("steady_tokens_per_s", "steady tok/s", "{:.1f}"),
+            ("decode_speedup", "decode vs mlx-lm", "{:.2f}x"),
+            ("served_attention_calls", "op calls", "{}"),
+        ],
+    )
+    path = save(
+        "server",
+        {
+            "machine": machine(),
+            "config": CONFIG,
+            "args": vars(args),
+            "prompt_lengths": lengths,
+            "runs": runs,
+            "summary": rows,
+            "texts_equal": not mismatched,
+        },
+    )
+    print(f"saved {path}")
+    if mismatched:
+        print(f"FAILED: requests {mismatched} differ between the servers", file=sys.stderr)
+        return 1
+    print(f"OK: all {args.clients} responses are the same with and without the plug-in")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

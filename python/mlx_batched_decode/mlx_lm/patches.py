@@ -1,0 +1,138 @@
+"""Turning the plug-in on and off: what is patched in the running mlx-lm, and its restoration.
+
+``enable()`` replaces, in memory only (no file of mlx-lm is touched):
+
+- ``mlx_lm.models.base.scaled_dot_product_attention`` and the same name in every loaded module
+  that imported it (mlx-lm's model files do ``from .base import scaled_dot_product_attention``)
+  with a ``DecodeRouter``; model modules imported while enabled pick the router up from ``base``;
+- ``BatchKVCache.make_mask`` and ``BatchRotatingKVCache.make_mask`` with versions that call the
+  originals and tag the decode masks they return (``mask_tags``).
+
+``disable()`` puts every original back, in the modules patched by ``enable()`` and in those
+imported since. The plug-in reads private fields of mlx-lm's batch caches (``_idx``, ``_offset``,
+``rotated``), so it requires the mlx-lm version it was checked against.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Optional
+
+from .mask_tags import MaskTags, tagging_batch_kv_make_mask, tagging_batch_rotating_make_mask
+from .routing import PREFIX, DecodeRouter, PluginStats
+
+MLX_LM_VERSION = "0.32.2"
+_NAME = "scaled_dot_product_attention"
+
+
+@dataclass
+class _Patch:
+    owner: Any
+    name: str
+    original: Any
+
+
+class _Plugin:
+    """The patches in force while enabled."""
+
+    def __init__(self) -> None:
+        import mlx_lm
+        from mlx_lm.models import base
+        from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+
+        if mlx_lm.__version__ != MLX_LM_VERSION:
+            raise ValueError(
+                f"{PREFIX} needs mlx-lm {MLX_LM_VERSION}, whose batch caches it was checked "
+                f"against; found {mlx_lm.__version__}"
+            )
+        self.base = base
+        self.original = base.scaled_dot_product_attention
+        self.tags = MaskTags()
+        self.router = DecodeRouter(self.original, self.tags, BatchKVCache, BatchRotatingKVCache)
+        self.patches: list[_Patch] = []
+        for cls, tagging in (
+            (BatchKVCache, tagging_batch_kv_make_mask),
+            (BatchRotatingKVCache, tagging_batch_rotating_make_mask),
+        ):
+            original = cls.__dict__["make_mask"]
+            self._set(cls, "make_mask", original, tagging(original, self.tags))
+        for module in _modules_binding(self.original):
+            self._set(module, _NAME, self.original, self.router)
+
+    def _set(self, owner: Any, name: str, original: Any, replacement: Any) -> None:
+        self.patches.append(_Patch(owner, name, original))
+        setattr(owner, name, replacement)
+
+    def restore(self) -> None:
+        for patch in reversed(self.patches):
+            setattr(patch.owner, patch.name, patch.original)
+        # Modules imported while enabled copied the router from base.
+        for module in _modules_binding(self.router):
+            setattr(module, _NAME, self.original)
+
+
+def _modules_binding(function: Any) -> list[Any]:
+    """Loaded modules whose global ``scaled_dot_product_attention`` is ``function`` (read from
+    their ``__dict__``, so no module-level ``__getattr__`` runs)."""
+    return [
+        module
+        for module in list(sys.modules.values())
+        if isinstance(getattr(module, "__dict__", None), dict)
+        and module.__dict__.get(_NAME) is function
+    ]
+
+
+_lock = threading.Lock()
+_active: Optional[_Plugin] = None
+
+
+def enable() -> None:
+    """Route the decode attention of mlx-lm's batched generation through
+    ``batched_decode_attention`` (``BatchGenerator``, ``batch_generate``, ``mlx_lm.server``).
+
+    Does nothing if already enabled. Raises ``ValueError`` for an mlx-lm version other than the
+    one the plug-in was checked against.
+    """
+    global _active
+    with _lock:
+        if _active is None:
+            _active = _Plugin()
+
+
+def disable() -> None:
+    """Restore every function and method ``enable()`` replaced. Does nothing if not enabled."""
+    global _active
+    with _lock:
+        if _active is not None:
+            _active.restore()
+            _active = None
+
+
+def is_enabled() -> bool:
+    """Whether the plug-in is on."""
+    return _active is not None
+
+
+@contextmanager
+def enabled() -> Iterator[None]:
+    """``with enabled(): ...`` runs the block with the plug-in on; it is turned off after the
+    block unless it was already on before."""
+    was_enabled = is_enabled()
+    enable()
+    try:
+        yield
+    finally:
+        if not was_enabled:
+            disable()
+
+
+def stats() -> PluginStats:
+    """A copy of the counts since the last ``enable()``: which attention calls the op served and
+    which stayed on mlx-lm's path. Raises ``ValueError`` when not enabled."""
+    plugin = _active
+    if plugin is None:
+        raise ValueError(f"{PREFIX} stats() needs the plug-in enabled")
+    return replace(plugin.router.stats)

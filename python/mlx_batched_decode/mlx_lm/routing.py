@@ -1,0 +1,207 @@
+"""The attention mlx-lm's models call while the plug-in is enabled, and which calls the op serves.
+
+mlx-lm's attention layers end with ``scaled_dot_product_attention(queries, keys, values,
+cache=cache, scale=..., mask=mask, sinks=...)``, after ``cache.update_and_fetch`` wrote the step's
+keys/values. ``DecodeRouter`` takes that call's place. A decode step of mlx-lm's batched generation
+(one new token per request, ``L = 1``) on a left-padded ``BatchKVCache`` goes to
+``batched_decode_attention`` with:
+
+- ``keys``/``values``: the ``[B, H_kv, T, D]`` views ``update_and_fetch`` returned, read in place;
+  ``T`` is the cache's ``_idx`` after the write, the same for every request;
+- ``valid_lens = T`` for every request (left padding: every request ends at ``T``);
+- ``kv_starts = cache.left_padding``: request ``b``'s first valid key;
+- ``window``: the ``window_size`` the model built the mask with (``MaskTag``), if any.
+
+That is exactly the set of keys mlx-lm's decode mask (``create_causal_mask(1, offset=_idx,
+left_padding=..., window_size=...)``) allows; the mask array is never read, so (being lazy)
+it is never computed. A ``BatchRotatingKVCache`` (sliding-window layers) is served the same way
+while its ring has not wrapped: its buffer then holds the positions in temporal order, ``T`` is
+its ``_offset``, and the window is the model's ``window_size`` or the ring's ``max_size``. Once
+the ring wraps, a request's valid slots can be two separate runs of the ring (its newest tokens
+at the front, its older ones after the padding the ring has not yet overwritten), which one range
+of the op cannot express: those calls stay on mlx-lm's path, with its rolled mask. So do prefill
+(several tokens per request), every other cache (``KVCache`` of single-request generation,
+quantized caches, ...) and head dims the op does not take (keys and values of different head
+dims, D > 512). ``PluginStats`` counts every call by where it ran.
+
+A decode mask on a batch cache that its ``make_mask`` did not build, or built for another length,
+is an error: the plug-in would not know which keys it allows.
+
+Dimension legend: B = requests in the step, H_q = query heads, H_kv = key/value heads,
+L = new tokens per request, T = key/value positions, D = head dimension.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+
+import mlx_batched_decode
+
+from .mask_tags import MaskTags
+
+PREFIX = "[mlx_batched_decode.mlx_lm]"
+_OP_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+_MAX_HEAD_DIM = 512
+
+
+@dataclass
+class PluginStats:
+    """Calls of mlx-lm's ``scaled_dot_product_attention`` (one per layer and forward pass) since
+    ``enable()``, by where they ran.
+
+    Through ``batched_decode_attention``:
+        batch_kv: decode steps on a ``BatchKVCache``.
+        batch_rotating: decode steps on a ``BatchRotatingKVCache`` whose ring has not wrapped.
+
+    On mlx-lm's path, by design:
+        rotating_wrapped: decode steps on a ``BatchRotatingKVCache`` whose ring has wrapped.
+        prefill: several tokens per request on a batch cache (prompt processing).
+        unsupported_shape: head dims the op does not take (keys and values differ, D > 512).
+        other: every other cache (single-request ``KVCache``, quantized, none, ...).
+    """
+
+    batch_kv: int = 0
+    batch_rotating: int = 0
+    rotating_wrapped: int = 0
+    prefill: int = 0
+    unsupported_shape: int = 0
+    other: int = 0
+
+    @property
+    def served(self) -> int:
+        """Calls that ran through ``batched_decode_attention``."""
+        return self.batch_kv + self.batch_rotating
+
+
+def _op_takes(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """Whether ``batched_decode_attention`` takes these ``[B, H, T, D]`` shapes and dtypes."""
+    head_dim = queries.shape[-1]
+    return (
+        keys.shape == values.shape
+        and keys.shape[-1] == head_dim
+        and 1 <= head_dim <= _MAX_HEAD_DIM
+        and queries.dtype in _OP_DTYPES
+        and keys.dtype == queries.dtype
+        and values.dtype == queries.dtype
+    )
+
+
+class DecodeRouter:
+    """A drop-in for mlx-lm's ``scaled_dot_product_attention`` (same signature).
+
+    Args:
+        original: mlx-lm's own function, which every call the op does not serve goes to.
+        tags: where the patched ``make_mask`` methods record their decode masks.
+        batch_kv: mlx-lm's ``BatchKVCache`` class.
+        batch_rotating: mlx-lm's ``BatchRotatingKVCache`` class.
+    """
+
+    def __init__(
+        self, original: Callable, tags: MaskTags, batch_kv: type, batch_rotating: type
+    ) -> None:
+        self.original = original
+        self.tags = tags
+        self.batch_kv = batch_kv
+        self.batch_rotating = batch_rotating
+        self.stats = PluginStats()
+        self._local = threading.local()
+
+    def __call__(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        cache: Any,
+        scale: float,
+        mask: Any,
+        sinks: Optional[mx.array] = None,
+    ) -> mx.array:
+        """``queries [B, H_q, L, D]`` over ``keys``/``values [B, H_kv, T, D]`` ->
+        ``[B, H_q, L, D]``; ``sinks`` ``[H_q]`` or ``None``."""
+        plan = self._plan(queries, keys, values, cache, mask)
+        if plan is None:
+            return self.original(
+                queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
+            )
+        valid_lens, window = plan
+        return mlx_batched_decode.batched_decode_attention(
+            queries,
+            keys,
+            values,
+            valid_lens,
+            scale=scale,
+            kv_starts=cache.left_padding,
+            window=window,
+            sinks=sinks,
+        )
+
+    def _plan(
+        self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any
+    ) -> Optional[tuple[mx.array, Optional[int]]]:
+        """``(valid_lens, window)`` for the op, or ``None`` for mlx-lm's path (counted)."""
+        stats = self.stats
+        rotating = isinstance(cache, self.batch_rotating)
+        if not (rotating or isinstance(cache, self.batch_kv)):
+            stats.other += 1
+            return None
+        if queries.shape[2] != 1:
+            stats.prefill += 1
+            return None
+        if not _op_takes(queries, keys, values):
+            stats.unsupported_shape += 1
+            return None
+        tag = self.tags.get(mask)
+        name = type(cache).__name__
+        if tag is None:
+            got = "None" if mask is None else f"a {type(mask).__name__} it did not build"
+            raise ValueError(
+                f"{PREFIX} a decode step attends a {name} with a mask its make_mask did not "
+                f"build (got {got}): this model builds its decode masks some other way, so the "
+                "plug-in cannot tell which keys they allow; call "
+                "mlx_batched_decode.mlx_lm.disable() to run it"
+            )
+        if tag.kind is not type(cache):
+            raise ValueError(
+                f"{PREFIX} a layer's {name} got a decode mask built by a {tag.kind.__name__}: "
+                "the plug-in reads a mask's keys from the cache kind that built it"
+            )
+        if rotating:
+            # Served only while the ring holds its positions in temporal order, all T of them.
+            if tag.wrapped or cache.rotated or keys.shape[2] != cache._offset:
+                stats.rotating_wrapped += 1
+                return None
+            length = cache._offset
+            window = cache.max_size if tag.window is None else tag.window
+        else:
+            length = keys.shape[2]
+            window = tag.window
+            if length != cache._idx:
+                raise ValueError(
+                    f"{PREFIX} a layer's BatchKVCache returned {length} keys but holds "
+                    f"{cache._idx} positions"
+                )
+        if length != tag.length + 1:
+            raise ValueError(
+                f"{PREFIX} a layer's {name} holds {length} positions after the step's write but "
+                f"its decode mask was built for {tag.length + 1}"
+            )
+        if rotating:
+            stats.batch_rotating += 1
+        else:
+            stats.batch_kv += 1
+        return self._valid_lens(queries.shape[0], length), window
+
+    def _valid_lens(self, batch: int, length: int) -> mx.array:
+        """int32 ``[B]`` filled with ``length``: made once per (B, length) and thread, shared by
+        every layer of a step (a left-padded batch ends every request at the same position)."""
+        made = getattr(self._local, "made", None)
+        if made is None or len(made) > 16:
+            made = self._local.made = {}
+        lens = made.get((batch, length))
+        if lens is None:
+            lens = made[(batch, length)] = mx.full((batch,), length, dtype=mx.int32)
+        return lens

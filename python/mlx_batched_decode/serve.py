@@ -1,0 +1,55 @@
+"""mlx-lm's OpenAI-compatible server with the mlx-lm plug-in enabled.
+
+::
+
+    python -m mlx_batched_decode.serve --model path/to/model [any other mlx_lm.server argument]
+
+Takes exactly the arguments of ``mlx_lm.server`` (``--help`` lists them) and runs its ``main()``
+after ``mlx_batched_decode.mlx_lm.enable()``: the decode steps of the server's batched path
+(``BatchGenerator``, up to ``--decode-concurrency`` requests at once) attend through
+``batched_decode_attention``; everything else is mlx-lm's server unchanged. When the server stops
+cleanly (Ctrl-C / SIGINT), it prints how many attention calls the op served and how many stayed
+on mlx-lm's path (``mlx_batched_decode.mlx_lm.stats()``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .mlx_lm import PluginStats
+
+PROG = "python -m mlx_batched_decode.serve"
+
+
+def report(stats: PluginStats) -> str:
+    """One line: where the server's attention calls ran."""
+    return (
+        f"mlx_batched_decode: batched_decode_attention served {stats.served} attention calls "
+        f"(BatchKVCache {stats.batch_kv}, BatchRotatingKVCache {stats.batch_rotating}); on "
+        f"mlx-lm's path: prefill {stats.prefill}, wrapped rings {stats.rotating_wrapped}, "
+        f"other caches {stats.other}, head dims the op does not take {stats.unsupported_shape}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run ``mlx_lm.server`` with ``argv`` (default: the command line) and the plug-in on."""
+    from mlx_lm import server
+
+    from . import mlx_lm as plugin
+
+    sys.argv = [PROG, *(sys.argv[1:] if argv is None else argv)]
+    plugin.enable()
+    print(
+        "mlx_batched_decode: mlx_lm.server's batched decode attends with batched_decode_attention",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        server.main()
+        print(report(plugin.stats()), file=sys.stderr, flush=True)
+    finally:
+        plugin.disable()
+
+
+if __name__ == "__main__":
+    main()
