@@ -7,6 +7,7 @@
 
 #include <optional>
 
+#include "head_dims.h"
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
@@ -14,9 +15,6 @@
 namespace mlx_batched_decode {
 
 namespace mx = mlx::core;
-
-// Head dims the kernels take: any D in [1, kMaxHeadDim].
-inline constexpr int kMaxHeadDim = 512;
 
 // Attention of the last L tokens of each request over that request's keys.
 //   queries    [B, H_q, L, D]    float16 | bfloat16 | float32

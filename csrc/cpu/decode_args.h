@@ -4,20 +4,16 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <iterator>
+
+#include "head_dims.h"
 
 namespace mlx_batched_decode::cpu {
 
 enum class Dtype { float16, bfloat16, float32 };
 
-// Head dims with a kernel of their own; any other D in [1, 512] runs the
-// generic kernel, on rows zero-padded to a multiple of kGenericDimStep.
-inline constexpr int kFastHeadDims[] = {32, 64, 80, 96, 112, 128, 160, 192, 256, 512};
+// Head dims without a kernel of their own (head_dims.h) run the generic
+// kernel, on rows zero-padded to a multiple of kGenericDimStep.
 inline constexpr int kGenericDimStep = 16;
-
-inline bool is_fast_head_dim(int D) {
-  return std::find(std::begin(kFastHeadDims), std::end(kFastHeadDims), D) != std::end(kFastHeadDims);
-}
 
 // The head dim the kernel computes with: D itself or, for the generic kernel,
 // D rounded up to a multiple of kGenericDimStep.

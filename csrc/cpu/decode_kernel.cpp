@@ -23,8 +23,6 @@ namespace {
 // instead of one per key. A multiple of 8, the width of softmax_block.
 constexpr int kBlock = 32;
 static_assert(kBlock == 32, "a block's keys are the bits of one uint32_t mask");
-// The generic kernel's accumulator bound: the largest head dim.
-constexpr int kMaxDim = 512;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Keys scored with the AVX512_BF16 dot product: bfloat16 rows in a variant
@@ -467,7 +465,8 @@ void finalize(const DecodeArgs& a, int b, int h, float* parts, int n) {
     const float m_all = std::max(m, sink);
     // Log-sum-exp weights; a part whose scores were all -inf weighs nothing.
     float l = sink == kNegInf ? 0.0f : std::exp(sink - m_all);
-    float acc[D ? D : kMaxDim] = {};
+    // The generic kernel's accumulator holds the largest head dim.
+    float acc[D ? D : kMaxHeadDim] = {};
     for (int c = 0; c < n; ++c) {
       const PartialState p = PartialState::at(parts + c * part_size, R);
       const float w = p.m[r] == kNegInf ? 0.0f : std::exp(p.m[r] - m_all);

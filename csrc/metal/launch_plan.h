@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../head_dims.h"
 #include "../kernels/batched_decode_attention_params.h"
 
 namespace mlx_batched_decode {
@@ -78,10 +79,10 @@ constexpr int kMaxSplits = 64;
 // Floats of query rows one lane keeps in registers (as many again for the
 // accumulators): bounds the rows per threadgroup of the widest head dims.
 constexpr int kLaneQueryFloats = 64;
-// Head dims with a kernel of their own, and the buckets of the generic kernels
-// (the last one is the largest head dim of all).
-constexpr int kFastHeadDims[] = {32, 64, 80, 96, 112, 128, 160, 192, 256, 512};
+// The buckets of the generic kernels (head_dims.h has the fast ones); the last
+// one is the largest head dim of all.
 constexpr int kGenericHeadDims[] = {32, 64, 128, 256, 512};
+static_assert(std::end(kGenericHeadDims)[-1] == kMaxHeadDim);
 
 inline const char* dtype_name(KernelDtype dtype) {
   switch (dtype) {
@@ -93,10 +94,6 @@ inline const char* dtype_name(KernelDtype dtype) {
       return "float32";
   }
   throw std::invalid_argument("[batched_decode_attention] unknown dtype");
-}
-
-inline bool is_fast_head_dim(int d) {
-  return std::find(std::begin(kFastHeadDims), std::end(kFastHeadDims), d) != std::end(kFastHeadDims);
 }
 
 /** The head dim a kernel is compiled for: D itself, or the generic bucket holding D. */
@@ -143,9 +140,9 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s) {
   if (s.num_q_heads % s.num_kv_heads != 0) {
     throw std::invalid_argument(prefix + "H_q must be a multiple of H_kv");
   }
-  if (s.head_dim < 1 || s.head_dim > std::end(kGenericHeadDims)[-1]) {
-    throw std::invalid_argument(
-        prefix + "head dim " + std::to_string(s.head_dim) + " has no Metal kernel (1 to 512)");
+  if (s.head_dim < 1 || s.head_dim > kMaxHeadDim) {
+    throw std::invalid_argument(prefix + "head dim " + std::to_string(s.head_dim) + " has no Metal kernel (1 to " +
+                                std::to_string(kMaxHeadDim) + ")");
   }
   if (s.window < 1 || s.window > std::max(s.seq_len, 1)) {
     throw std::invalid_argument(
