@@ -48,20 +48,22 @@ constexpr int kKeys = 32;
 // 16-31, then two P . V products), 2/3 and 6/7 hold hi/lo left operands,
 // 4/5 hi/lo right operands.
 
-// Palette 1, every tile 16 rows x 64 bytes. Tile state is per thread and is
-// released after each work item, so threads that run no AMX save none of it.
+// The tile configuration ldtilecfg reads: palette 1, every tile 16 rows x 64
+// bytes. A constant in memory, not stores before the call: GCC's ldtilecfg
+// builtin does not tell the optimiser that it reads them, and at -O3 they
+// were dropped (tiles left unconfigured, SIGILL at the first tile instruction).
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+inline constexpr TileConfig kTileConfig = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+// Tile state is per thread and is released after each work item, so threads
+// that run no AMX save none of it.
 inline void configure() {
-  struct alignas(64) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } config{};
-  config.palette = 1;
-  for (int i = 0; i < 8; ++i) {
-    config.colsb[i] = 64;
-    config.rows[i] = 16;
-  }
-  _tile_loadconfig(&config);
+  _tile_loadconfig(&kTileConfig);
 }
 
 inline void release() {
