@@ -79,29 +79,31 @@ struct NextBlock {
   int64_t stride[2] = {}; // bytes between rows
   int64_t ahead[2] = {}; // bytes from a row to its successor
   int rows[2] = {};
-  int line_bytes = 0; // bytes of a row
-  int next = 0; // lines requested so far, keys' first
+  int per_row = 0; // cache lines of a row
+  int which = 0, row = 0, line = 0; // the next line to request: keys' first
 
   template <typename T>
-  void set(int which, const T* row0, int64_t row_stride, int64_t ahead_elements, int n, int D) {
-    first[which] = reinterpret_cast<const char*>(row0);
-    stride[which] = row_stride * static_cast<int64_t>(sizeof(T));
-    ahead[which] = ahead_elements * static_cast<int64_t>(sizeof(T));
-    rows[which] = n;
-    line_bytes = D * static_cast<int>(sizeof(T));
+  void set(int part, const T* row0, int64_t row_stride, int64_t ahead_elements, int n, int D) {
+    first[part] = reinterpret_cast<const char*>(row0);
+    stride[part] = row_stride * static_cast<int64_t>(sizeof(T));
+    ahead[part] = ahead_elements * static_cast<int64_t>(sizeof(T));
+    rows[part] = n;
+    per_row = (D * static_cast<int>(sizeof(T)) + 63) / 64;
   }
 
   // Requests up to `lines` more lines of the next block.
   void request(int lines) {
-    const int per_row = (line_bytes + 63) / 64;
-    for (; lines > 0; --lines, ++next) {
-      const int which = next < rows[0] * per_row ? 0 : 1;
-      const int index = next - which * rows[0] * per_row;
-      if (index >= rows[which] * per_row) {
-        return;
+    for (; lines > 0 && which < 2; --lines) {
+      if (row >= rows[which]) {
+        ++which;
+        row = 0;
+        continue;
       }
-      const int row = index / per_row, byte = index % per_row * 64;
-      __builtin_prefetch(first[which] + row * stride[which] + ahead[which] + byte, 0, 1);
+      __builtin_prefetch(first[which] + row * stride[which] + ahead[which] + line * 64, 0, 1);
+      if (++line == per_row) {
+        line = 0;
+        ++row;
+      }
     }
   }
 };

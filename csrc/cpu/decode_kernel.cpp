@@ -227,21 +227,29 @@ void load_queries(const DecodeArgs& a, int b, int h, Scratch<T>& s) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // One work item's AMX state: the queries as tile operands and each row
 // group's key ranges as lanes; block() runs one block of keys on the tiles.
+// One per thread (tls_tiles), so that its buffers are reused by every item.
 template <typename T>
 struct AmxItem {
   int R = 0, groups = 0, Dp = 0, Dq = 0;
   bool usable = false;
   uint64_t blocks = 0; // computed on the tiles
+  std::vector<const T*> q_rows; // [R]
   std::vector<KeyRange> group_keys; // [groups]: the keys every row of the group attends
   std::vector<int32_t> lo, hi; // [groups * 16]: row r's keys [lo, hi), 0 past R
 
-  void begin(const DecodeArgs& a, int b, int h, int dp, const KeyRange* ranges) {
+  // Prepares item (b, h) for the tiles, or, when !wanted, leaves it to the vector path.
+  void begin(const DecodeArgs& a, int b, int h, int dp, const KeyRange* ranges, bool wanted) {
+    usable = false;
+    blocks = 0;
+    if (!wanted) {
+      return;
+    }
     R = a.rows();
     groups = (R + amx::kRows - 1) / amx::kRows;
     Dp = dp;
     Dq = (dp + 31) / 32 * 32;
     tls_amx.reserve(groups, Dq, Dp);
-    std::vector<const T*> q_rows(R);
+    q_rows.resize(R);
     const T* q = static_cast<const T*>(a.queries) + b * a.q_stride[0];
     for (int r = 0; r < R; ++r) {
       q_rows[r] = q + static_cast<int64_t>(h * a.G + r / a.L) * a.q_stride[1] + (r % a.L) * a.q_stride[2];
@@ -323,6 +331,9 @@ struct AmxItem {
     return true;
   }
 };
+
+template <typename T>
+thread_local AmxItem<T> tls_tiles;
 #endif
 
 template <typename T, int D>
@@ -337,7 +348,6 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
   float* alpha = s.alpha.data();
   uint32_t* masks = s.masks.data();
 
-  load_queries<T, D>(a, b, h, s);
   // The allocated rows past R too: the AMX path computes on whole groups of 16.
   for (int r = 0; r < PartialState::rows(R); ++r) {
     st.m[r] = kNegInf;
@@ -353,12 +363,11 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
   const T* vh = static_cast<const T*>(a.values) + b * a.v_stride[0] + h * a.v_stride[1];
   T* block = s.block.data();
   const T* rows[kBlock];
+  bool vector_queries = false;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  AmxItem<T> tiles;
+  AmxItem<T>& tiles = tls_tiles<T>;
   if constexpr (kAmx<T>) {
-    if (R >= kAmxMinRows<T>) {
-      tiles.begin(a, b, h, Dp, s.ranges.data());
-    }
+    tiles.begin(a, b, h, Dp, s.ranges.data(), R >= kAmxMinRows<T>);
   }
 #endif
   // The first block's values are requested while its keys are scored, in case
@@ -382,6 +391,11 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
       }
     }
 #endif
+    // Loaded at the first block the vector path takes: with the tiles, maybe none.
+    if (!vector_queries) {
+      load_queries<T, D>(a, b, h, s);
+      vector_queries = true;
+    }
     // Each key row is read once and scored against all R query rows, two at a
     // time (four with the bfloat16 dot product).
     load_block<T, D>(a, kh, a.k_stride, t, n, t1, block, rows);
