@@ -1,14 +1,11 @@
 """BatchedDecoder on real mlx-lm model classes: greedy tokens equal mlx-lm's own
 single-request decode."""
 
-import random
-
 import mlx.core as mx
 import pytest
 
 pytest.importorskip("mlx_lm")
 
-from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import base, llama  # noqa: E402
 
 import mlx_batched_decode  # noqa: E402
@@ -16,23 +13,12 @@ from mlx_batched_decode import _ext  # noqa: E402
 from mlx_batched_decode.context import BatchedDecodeContext  # noqa: E402
 from mlx_batched_decode.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.random_model import random_model  # noqa: E402
+from mlx_lm_models import LLAMA, QWEN3, VOCAB, mlx_lm_greedy, random_prompts  # noqa: E402
 
-VOCAB = 128
 # Odd small configs: GQA groups 2, 3 and 4, head dims 64 and 128, hidden != heads * head_dim.
 # mlx-lm runs model_type "mistral" with its Llama code, as mlx_lm.load does.
 FAMILIES = {
-    "llama": dict(
-        model_type="llama",
-        hidden_size=128,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-    ),
+    "llama": LLAMA,
     "qwen2": dict(
         model_type="qwen2",
         hidden_size=256,
@@ -44,20 +30,7 @@ FAMILIES = {
         vocab_size=VOCAB,
         tie_word_embeddings=True,
     ),
-    "qwen3": dict(
-        model_type="qwen3",
-        hidden_size=96,
-        num_hidden_layers=2,
-        intermediate_size=192,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        vocab_size=VOCAB,
-        max_position_embeddings=4096,
-        rope_theta=1e6,
-        tie_word_embeddings=True,
-    ),
+    "qwen3": QWEN3,
     "mistral": dict(
         model_type="mistral",
         hidden_size=192,
@@ -97,15 +70,6 @@ PROMPT_LENS = [1, 7, 30, 13, 55]
 MAX_TOKENS = [10, 4, 12, 1, 8]
 
 
-def _prompts(lens, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
-
-
-def _mlx_lm_greedy(model, prompt, max_tokens):
-    return [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
-
-
 @pytest.fixture(scope="module")
 def models():
     return {name: random_model(config, seed=1) for name, config in FAMILIES.items()}
@@ -113,9 +77,9 @@ def models():
 
 @pytest.fixture(scope="module")
 def references(models):
-    prompts = _prompts(PROMPT_LENS)
+    prompts = random_prompts(PROMPT_LENS)
     return {
-        name: [_mlx_lm_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+        name: [mlx_lm_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
         for name, model in models.items()
     }
 
@@ -125,14 +89,14 @@ def references(models):
 def test_greedy_matches_mlx_lm_with_joins_and_early_leaves(models, references, family, path):
     # max_batch_size 3 of 5 requests: two join mid-way; budgets differ, so requests leave early.
     decoder = BatchedDecoder(models[family], attention=path, kv_step=16)
-    out = decoder.generate(_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
+    out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
     assert out == references[family]
     assert decoder.num_active == 0
 
 
 def test_requests_join_mid_decode_and_reuse_slots(models, references):
     model, expected = models["llama"], references["llama"]
-    prompts = _prompts(PROMPT_LENS)
+    prompts = random_prompts(PROMPT_LENS)
     decoder = BatchedDecoder(model, kv_step=16)
     produced = {}
     uids = {decoder.add_request(prompts[i], MAX_TOKENS[i]): i for i in (0, 2)}
@@ -155,7 +119,7 @@ def test_stop_token_ends_requests_early(models, references):
     # A token that first appears mid-way through some request's reference decode.
     request, stop = next((i, t) for i, ref in enumerate(expected) for t in ref if ref.index(t) >= 2)
     decoder = BatchedDecoder(model, kv_step=16)
-    out = decoder.generate(_prompts(PROMPT_LENS), MAX_TOKENS, stop_tokens=[stop])
+    out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, stop_tokens=[stop])
     truncated = [ref[: ref.index(stop)] if stop in ref else ref for ref in expected]
     assert out == truncated
     assert 2 <= len(out[request]) < len(expected[request])
@@ -182,7 +146,7 @@ def test_one_context_per_step_shared_by_all_layers(models, monkeypatch):
         return real_op(queries, keys, values, lens, **kwargs)
 
     decoder = BatchedDecoder(model)
-    for prompt in _prompts([4, 9, 2]):
+    for prompt in random_prompts([4, 9, 2]):
         decoder.add_request(prompt, 5)
     monkeypatch.setattr(BatchedDecodeContext, "__post_init__", counting_post_init)
     monkeypatch.setattr(mx.fast, "rope", rope_spy)
@@ -200,7 +164,7 @@ def test_one_context_per_step_shared_by_all_layers(models, monkeypatch):
 
 def test_sampling_options(models, references):
     model, expected = models["qwen3"], references["qwen3"]
-    prompts = _prompts(PROMPT_LENS)
+    prompts = random_prompts(PROMPT_LENS)
     decoder = BatchedDecoder(model)
     # top_p this small keeps only the most likely token: sampling reduces to greedy.
     assert decoder.generate(prompts, MAX_TOKENS, temperature=1.0, top_p=1e-6, seed=3) == expected
@@ -212,7 +176,7 @@ def test_sampling_options(models, references):
 
 def test_attention_routing_is_scoped(models):
     decoder = BatchedDecoder(models["llama"])
-    decoder.generate(_prompts([3, 5]), 2)
+    decoder.generate(random_prompts([3, 5]), 2)
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
 
 
@@ -242,7 +206,7 @@ def test_unsupported_models_and_arguments(models, monkeypatch):
 def test_decode_step_of_a_model_copies_no_cache_buffer(models):
     """A whole-model step on the slot path allocates far less than one layer's cache buffer."""
     decoder = BatchedDecoder(models["llama"], kv_step=4096)
-    for prompt in _prompts([40, 3, 25]):
+    for prompt in random_prompts([40, 3, 25]):
         decoder.add_request(prompt, 100)
     decoder.step()
     buffer_bytes = decoder.slot_caches[0].keys.nbytes

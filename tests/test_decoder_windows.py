@@ -2,40 +2,22 @@
 tokens equal mlx-lm's own single-request decode, with prompts and generations crossing the window.
 """
 
-import random
-
 import mlx.core as mx
 import pytest
 
 pytest.importorskip("mlx_lm")
 
-from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
 
 import mlx_batched_decode  # noqa: E402
 from mlx_batched_decode.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.mlx_lm_prefill import layer_windows, prefill  # noqa: E402
 from mlx_batched_decode.random_model import random_model  # noqa: E402
+from mlx_lm_models import GPT_OSS, VOCAB, WINDOW, mlx_lm_greedy, random_prompts  # noqa: E402
 
-VOCAB = 128
-WINDOW = 16
 # Each family with its own way of choosing windowed layers; small odd shapes.
 FAMILIES = {
-    # Sinks, alternating sliding/full layers, a mixture of experts.
-    "gpt_oss": dict(
-        model_type="gpt_oss",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        head_dim=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=WINDOW,
-        vocab_size=VOCAB,
-        rms_norm_eps=1e-5,
-    ),
+    "gpt_oss": GPT_OSS,
     # Two sliding layers, then a global one; D = 256; query scale 64 ** -0.5, not D ** -0.5.
     "gemma3_text": dict(
         model_type="gemma3_text",
@@ -100,15 +82,6 @@ PROMPT_LENS = [1, 9, 60, 16, 17, 33, 2]
 MAX_TOKENS = [24, 24, 24, 5, 24, 1, 12]
 
 
-def _prompts(lens, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
-
-
-def _mlx_lm_greedy(model, prompt, max_tokens):
-    return [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
-
-
 def build(family, seed=1):
     model = random_model(FAMILIES[family], seed=seed)
     if family == "gpt_oss":
@@ -126,9 +99,9 @@ def models():
 
 @pytest.fixture(scope="module")
 def references(models):
-    prompts = _prompts(PROMPT_LENS)
+    prompts = random_prompts(PROMPT_LENS)
     return {
-        family: [_mlx_lm_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+        family: [mlx_lm_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
         for family, model in models.items()
     }
 
@@ -143,7 +116,7 @@ def test_layer_windows_follow_mlx_lm_caches(models, family):
 def test_greedy_matches_mlx_lm_across_the_window(models, references, family, path):
     # 7 requests, at most 3 at once: requests join as others finish, several of them early.
     decoder = BatchedDecoder(models[family], attention=path, kv_step=16)
-    out = decoder.generate(_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
+    out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
     assert out == references[family]
     assert decoder.num_active == 0
 
@@ -152,7 +125,7 @@ def test_chunked_prefill_keeps_what_mlx_lm_keeps(models, references):
     """Prefill in chunks of 7 and of 1 (a rotating cache then wraps around in place)."""
     for step in (7, 1):
         decoder = BatchedDecoder(models["gpt_oss"], kv_step=16, prefill_step_size=step)
-        out = decoder.generate(_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
+        out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
         assert out == references["gpt_oss"]
 
 
@@ -161,7 +134,7 @@ def test_prefill_returns_every_layer_in_temporal_order(models, step):
     """Windowed layers: the positions mlx-lm's rotating cache still holds equal a one-chunk
     prefill's (which keeps them all, in order); older positions are zeros."""
     model = models["llama"]
-    tokens = _prompts([40], seed=3)[0]
+    tokens = random_prompts([40], seed=3)[0]
     whole = prefill(model, tokens, step_size=len(tokens))
     chunked = prefill(model, tokens, step_size=step)
     for window, (keys, values), (whole_keys, whole_values) in zip(
@@ -182,8 +155,8 @@ def test_any_head_dim(head_dim):
         FAMILIES["llama"], head_dim=head_dim, num_attention_heads=3, num_key_value_heads=1
     )
     model = random_model(config, seed=2)
-    prompts, budgets = _prompts([1, 20, 5], seed=head_dim), [20, 8, 20]
-    expected = [_mlx_lm_greedy(model, p, n) for p, n in zip(prompts, budgets)]
+    prompts, budgets = random_prompts([1, 20, 5], seed=head_dim), [20, 8, 20]
+    expected = [mlx_lm_greedy(model, p, n) for p, n in zip(prompts, budgets)]
     decoder = BatchedDecoder(model, kv_step=16)
     assert decoder.generate(prompts, budgets, max_batch_size=2) == expected
 
@@ -199,7 +172,7 @@ def test_each_layer_gets_its_window_sinks_and_scale(models, family, monkeypatch)
         return real_op(queries, keys, values, lens, **kwargs)
 
     decoder = BatchedDecoder(model)
-    for prompt in _prompts([30, 3]):
+    for prompt in random_prompts([30, 3]):
         decoder.add_request(prompt, 4)
     monkeypatch.setattr(mlx_batched_decode, "batched_decode_attention", spy)
     decoder.step()

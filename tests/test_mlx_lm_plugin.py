@@ -8,7 +8,6 @@ stays on mlx-lm's path and is counted; ``disable()`` restores everything.
 import gc
 import importlib
 import pkgutil
-import random
 import sys
 
 import mlx.core as mx
@@ -32,53 +31,12 @@ from mlx_batched_decode import _ext  # noqa: E402
 from mlx_batched_decode.mlx_lm import patches  # noqa: E402
 from mlx_batched_decode.mlx_lm.routing import DecodeRouter  # noqa: E402
 from mlx_batched_decode.random_model import random_model  # noqa: E402
+from mlx_lm_models import GPT_OSS, LLAMA, QWEN3, random_prompts  # noqa: E402
 
-VOCAB = 128
-WINDOW = 16
 FAMILIES = {
-    # GQA group 2, head dim 64, hidden != heads * head_dim.
-    "llama": dict(
-        model_type="llama",
-        hidden_size=128,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-    ),
-    # GQA group 4, head dim 128, q/k norms.
-    "qwen3": dict(
-        model_type="qwen3",
-        hidden_size=96,
-        num_hidden_layers=2,
-        intermediate_size=192,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        vocab_size=VOCAB,
-        max_position_embeddings=4096,
-        rope_theta=1e6,
-        tie_word_embeddings=True,
-    ),
-    # Sinks, a sliding layer (BatchRotatingKVCache) then a full one, a mixture of experts.
-    "gpt_oss": dict(
-        model_type="gpt_oss",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        head_dim=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=WINDOW,
-        vocab_size=VOCAB,
-        rms_norm_eps=1e-5,
-    ),
+    "llama": LLAMA,
+    "qwen3": QWEN3,
+    "gpt_oss": GPT_OSS,
 }
 # Mixed lengths (below, at and past the window), budgets that end requests early.
 PROMPT_LENS = [1, 9, 60, 16, 17, 33, 2]
@@ -95,17 +53,12 @@ class _Tokenizer:
         return ""
 
 
-def _prompts(lens, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
-
-
 def _batch_generate(model, eos=(), **kwargs):
     # Requests join mid-decode (3 decode at once, 2 prefill at once) and leave as they finish.
     response = batch_generate(
         model,
         _Tokenizer(eos),
-        _prompts(PROMPT_LENS),
+        random_prompts(PROMPT_LENS),
         max_tokens=MAX_TOKENS,
         return_token_ids=True,
         completion_batch_size=3,
@@ -234,7 +187,7 @@ def test_what_stays_on_mlx_lm_path(models):
     """Single-request generation (KVCache), prefill and head dims the op does not take run
     mlx-lm's code, counted; the op never runs for them."""
     model = models["llama"]
-    prompt = mx.array(_prompts([20])[0])
+    prompt = mx.array(random_prompts([20])[0])
     expected = [t for t, _ in generate_step(prompt, model, max_tokens=6)]
     kernel_calls = _ext.cpu_kernel_calls()
     with plugin.enabled():

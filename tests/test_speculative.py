@@ -2,8 +2,6 @@
 draft proposes; one target pass of L = k + 1 rows per step; sampling keeps the target's
 distribution."""
 
-import random
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -16,15 +14,11 @@ import mlx_batched_decode  # noqa: E402
 import mlx_batched_decode.speculative as speculative  # noqa: E402
 from mlx_batched_decode.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.random_model import random_model  # noqa: E402
-from test_decoder_windows import FAMILIES, VOCAB, build  # noqa: E402
+from mlx_lm_models import VOCAB, random_prompts  # noqa: E402
+from test_decoder_windows import FAMILIES, build  # noqa: E402
 
 PROMPT_LENS = [1, 9, 60, 16, 17, 33, 2]
 MAX_TOKENS = [24, 24, 24, 5, 24, 1, 12]
-
-
-def _prompts(lens, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
 
 
 def perturbed(model, family, scale, seed=5):
@@ -63,7 +57,7 @@ def plain(targets):
     """Greedy tokens without a draft (themselves equal to mlx-lm's, test_decoder_windows.py)."""
     return {
         family: BatchedDecoder(target, kv_step=16).generate(
-            _prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3
+            random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3
         )
         for family, target in targets.items()
     }
@@ -90,7 +84,7 @@ def test_greedy_equals_decoding_without_draft(
         num_draft_tokens=num_draft_tokens,
         kv_step=16,
     )
-    out = decoder.generate(_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
+    out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
     assert out == plain[family]
     assert decoder.num_active == 0
     stats = decoder.stats
@@ -122,7 +116,7 @@ def test_seed_path_and_stop_tokens(targets, drafts, plain):
             kv_step=16,
         )
         out = decoder.generate(
-            _prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3, stop_tokens=[stop]
+            random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3, stop_tokens=[stop]
         )
         assert out == truncated
 
@@ -138,7 +132,7 @@ def test_one_target_pass_per_step_with_k_plus_1_rows(targets, drafts, monkeypatc
 
     decoder = BatchedDecoder(target, draft_model=draft, num_draft_tokens=k)
     seq_lens = []
-    for prompt in _prompts([30, 3, 12]):
+    for prompt in random_prompts([30, 3, 12]):
         decoder.add_request(prompt, 10)
         seq_lens.append(len(prompt) - 1)
     monkeypatch.setattr(mlx_batched_decode, "batched_decode_attention", spy)
@@ -154,7 +148,7 @@ def test_round_copies_no_cache_buffer(targets, drafts):
     decoder = BatchedDecoder(
         targets["llama"], draft_model=drafts["llama"]["perturbed"], num_draft_tokens=3, kv_step=4096
     )
-    for prompt in _prompts([40, 3, 25]):
+    for prompt in random_prompts([40, 3, 25]):
         decoder.add_request(prompt, 100)
     decoder.step()
     buffer_bytes = decoder.slot_caches[0].keys.nbytes

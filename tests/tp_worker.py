@@ -9,7 +9,6 @@ models and prompts are defined here and imported by the test, which decodes them
 
 import json
 import pathlib
-import random
 import sys
 
 import mlx.core as mx
@@ -20,8 +19,8 @@ import mlx_batched_decode.mlx_lm as plugin
 from mlx_batched_decode.decoder import BatchedDecoder
 from mlx_batched_decode.random_model import random_model
 from mlx_batched_decode.tensor_parallel import shard
+from mlx_lm_models import GPT_OSS, VOCAB, random_prompts
 
-VOCAB = 128
 # Head counts divisible by 2 ranks; gpt-oss adds sinks, a sliding-window layer and experts.
 FAMILIES = {
     "llama": dict(
@@ -36,20 +35,7 @@ FAMILIES = {
         vocab_size=VOCAB,
         tie_word_embeddings=False,
     ),
-    "gpt_oss": dict(
-        model_type="gpt_oss",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        head_dim=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=16,
-        vocab_size=VOCAB,
-        rms_norm_eps=1e-5,
-    ),
+    "gpt_oss": GPT_OSS,
 }
 PROMPT_LENS = [1, 9, 40, 17, 3]
 MAX_TOKENS = [12, 4, 12, 20, 1]
@@ -66,8 +52,7 @@ def build(family):
 
 
 def prompts():
-    rng = random.Random(0)
-    return [[rng.randrange(VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+    return random_prompts(PROMPT_LENS)
 
 
 class Tokenizer:
