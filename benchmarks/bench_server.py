@@ -35,19 +35,15 @@ on 2 cores.
 import argparse
 import http.client
 import json
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
+from mlx_batched_decode.local_server import running_server
 from mlx_batched_decode.model_folder import SPECIAL_TOKENS, save_model_folder, word
 
 from common import machine, print_table, save
@@ -69,6 +65,7 @@ SERVERS = {
     "mlx-lm + plug-in": [sys.executable, "-m", "mlx_batched_decode.serve"],
 }
 STARTUP_TIMEOUT_S = 120
+STOP_TIMEOUT_S = 30
 REQUEST_TIMEOUT_S = 1800
 
 
@@ -87,60 +84,6 @@ def _parse_args():
     parser.add_argument("--rounds", type=int, default=1, help="runs of each server, alternated")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(port):
-    try:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        connection.request("GET", "/health")
-        return connection.getresponse().status == 200
-    except OSError:
-        return False
-
-
-@contextmanager
-def running_server(command, model_dir, log_path):
-    """The server on 127.0.0.1:free port; yields the port; always stopped (SIGINT, then kill)."""
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [
-                *command,
-                "--model",
-                str(model_dir),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--log-level",
-                "WARNING",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy(port):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("server did not start:\n" + Path(log_path).read_text())
-            time.sleep(0.2)
-        yield port
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def _stream_completion(port, prompt, max_tokens, start):
@@ -243,7 +186,8 @@ def main():
             for name in order:
                 log_path = Path(tmp, "server.log")
                 print(f"round {round_ + 1}/{args.rounds}: {name} ...", file=sys.stderr, flush=True)
-                with running_server(SERVERS[name], model_dir, log_path) as port:
+                command = [*SERVERS[name], "--model", str(model_dir), "--log-level", "WARNING"]
+                with running_server(command, log_path, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S) as (port, _):
                     # Warm-up: the first request pays one-time costs (model load, graph set-up).
                     _run_clients(port, [prompts[0][:200]], 2)
                     results = _run_clients(port, prompts, args.max_tokens)

@@ -13,21 +13,16 @@ happens.
 
 import http.client
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import pytest
 
 pytest.importorskip("mlx_lm")
 openai = pytest.importorskip("openai")
 
+from mlx_batched_decode.local_server import healthy, running_server  # noqa: E402
 from mlx_batched_decode.model_folder import SPECIAL_TOKENS, save_model_folder, word  # noqa: E402
 
 VOCAB = 160
@@ -54,51 +49,6 @@ STOP_TIMEOUT_S = 20.0
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_model_folder(CONFIG, tmp_path_factory.mktemp("model"), seed=3)
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(port):
-    try:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        connection.request("GET", "/health")
-        return connection.getresponse().status == 200
-    except OSError:
-        return False
-
-
-@contextmanager
-def running_server(command, log_path):
-    """Start ``command`` + ``--port P`` on 127.0.0.1; yield ``(port, process)``; always stop it
-    (SIGINT, the server's own clean shutdown, then SIGKILL if it does not exit in time)."""
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [*command, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy(port):
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "server did not start:\n" + log_path.read_text()
-            time.sleep(0.2)
-        yield port, process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def _prompt_words(i):
@@ -182,7 +132,7 @@ def _workload(port):
     # Still serving after all of it.
     assert _raw_post(port, "/v1/completions", b"[1, 2]") == 400
     final = _one_request(client, CONCURRENT)
-    assert _healthy(port)
+    assert healthy(port)
     return responses, final
 
 
@@ -194,7 +144,7 @@ def test_plugin_server_answers_like_mlx_lm_server(model_dir, tmp_path):
         ("plug-in", [sys.executable, "-m", "mlx_batched_decode.serve", *args]),
     ):
         logs[name] = tmp_path / f"{name}.log"
-        with running_server(command, logs[name]) as (port, process):
+        with running_server(command, logs[name], STARTUP_TIMEOUT_S, STOP_TIMEOUT_S) as (port, process):
             results[name] = _workload(port)
         assert process.returncode is not None
 
