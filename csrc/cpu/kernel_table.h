@@ -16,6 +16,9 @@ KernelFns kernel_fns(Dtype dtype, int head_dim);
 namespace avx512bf16 {
 KernelFns kernel_fns(Dtype dtype, int head_dim);
 }
+namespace avx512fp16 {
+KernelFns kernel_fns(Dtype dtype, int head_dim);
+}
 namespace amx {
 KernelFns kernel_fns(Dtype dtype, int head_dim);
 }
