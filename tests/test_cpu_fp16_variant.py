@@ -1,5 +1,5 @@
-"""The AVX512-FP16 CPU kernel variant (float16 rows on 16-lane float32 vectors) against the float64
-reference, forced with set_cpu_isa. On a CPU (or build) without it every test here is skipped, and
+"""The AVX512-FP16 CPU kernel variant (rows of every dtype on 16-lane float32 vectors) against the
+float64 reference, forced with set_cpu_isa. On a CPU (or build) without it every test here is skipped, and
 says so; the contract test at the end runs on every variant this machine has."""
 
 import mlx.core as mx
@@ -30,32 +30,37 @@ def fp16_variant():
     _ext.set_cpu_isa(previous)
 
 
+DTYPES = [mx.float16, mx.bfloat16, mx.float32]
+
+
 @needs_variant
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [1, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 200, 256, 512])
 @pytest.mark.parametrize("G", [1, 2, 3, 4, 8])
-def test_head_dims_and_groups(fp16_variant, D, G):
+def test_head_dims_and_groups(fp16_variant, dtype, D, G):
     # Every tile height the variant picks (4, 2, 1 query rows), fast and generic head dims.
-    q, k, v, k_nan, v_nan = shape_case(mx.float16, D, G, 1, None, None, seed=D * 10 + G)
+    q, k, v, k_nan, v_nan = shape_case(dtype, D, G, 1, None, None, seed=D * 10 + G)
     before = _ext.cpu_kernel_calls()
     out = _ext.batched_decode_attention(q, k_nan, v_nan, mx.array(LENGTHS))
     mx.eval(out)
     assert _ext.cpu_isa() == VARIANT and _ext.cpu_kernel_calls() == before + 1
-    assert max_abs_error(out, numpy_reference(q, k, v, LENGTHS)) < TOLERANCE[mx.float16]
+    assert max_abs_error(out, numpy_reference(q, k, v, LENGTHS)) < TOLERANCE[dtype]
 
 
 @needs_variant
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("L", [1, 3, 4, 8])
 @pytest.mark.parametrize("case", range(7))
-def test_rows_starts_windows_sinks(fp16_variant, L, case):
+def test_rows_starts_windows_sinks(fp16_variant, dtype, L, case):
     # Blocks cut by a row's range take the masked accumulation; NaN / inf where no row reads.
     starts, window, sinks = options(4)[case]
-    q, k, v, k_nan, v_nan = shape_case(mx.float16, 128, 4, L, window, starts, seed=case * 8 + L)
+    q, k, v, k_nan, v_nan = shape_case(dtype, 128, 4, L, window, starts, seed=case * 8 + L)
     out = _ext.batched_decode_attention(
         q, k_nan, v_nan, mx.array(LENGTHS), kv_starts=None if starts is None else mx.array(starts), window=window,
         sinks=sinks,
     )
     expected = numpy_reference(q, k, v, LENGTHS, kv_starts=starts, window=window, sinks=sinks)
-    assert max_abs_error(out, expected) < TOLERANCE[mx.float16]
+    assert max_abs_error(out, expected) < TOLERANCE[dtype]
 
 
 @needs_variant
@@ -72,14 +77,16 @@ def test_long_requests_split_into_chunks(fp16_variant):
 
 
 @needs_variant
-def test_agrees_with_the_8_lane_kernel(fp16_variant):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_agrees_with_the_8_lane_kernel(fp16_variant, dtype):
     # Same float32 arithmetic in another order: the two differ by output rounding only.
-    q, k, v, _, _ = shape_case(mx.float16, 128, 4, 1, None, None, seed=3)
+    q, k, v, _, _ = shape_case(dtype, 128, 4, 1, None, None, seed=3)
     wide = _ext.batched_decode_attention(q, k, v, mx.array(LENGTHS))
     _ext.set_cpu_isa("avx2")
     narrow = _ext.batched_decode_attention(q, k, v, mx.array(LENGTHS))
     diff = mx.abs(wide.astype(mx.float32) - narrow.astype(mx.float32)).max().item()
-    assert diff <= 2.0**-9
+    # A few units in the last place of outputs below 1 (float16 2^-11, bfloat16 2^-8).
+    assert diff <= {mx.float16: 2.0**-9, mx.bfloat16: 2.0**-7, mx.float32: 2.0**-20}[dtype]
 
 
 @pytest.mark.parametrize("isa", _ext.cpu_isas())

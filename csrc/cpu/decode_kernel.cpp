@@ -27,9 +27,9 @@ static_assert(kBlock == 32, "a block's keys are the bits of one uint32_t mask");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Keys scored with the AVX512_BF16 dot product: bfloat16 rows in a variant
-// compiled for it. Their queries stay unscaled in bfloat16 (q_raw), exact, and
-// the scale is applied to the scores.
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// compiled for it but not for AVX512-FP16 (kWide). Their queries stay
+// unscaled in bfloat16 (q_raw), exact, and the scale is applied to the scores.
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && !defined(__AVX512FP16__)
 template <typename T>
 constexpr bool kBf16Dot = std::is_same_v<T, mx::bfloat16_t>;
 #else
@@ -37,11 +37,12 @@ template <typename T>
 constexpr bool kBf16Dot = false;
 #endif
 
-// float16 rows on 16-lane float32 vectors (tiles16.h) in a variant compiled
-// for AVX512-FP16: the 8-lane loops are bound by their instructions at G = 4.
+// Rows on 16-lane float32 vectors (tiles16.h) in a variant compiled for
+// AVX512-FP16: the 8-lane loops are bound by their instructions at G = 4, and
+// on these CPUs (Intel) the AVX512_BF16 dot product costs more than they do.
 #if defined(__AVX512FP16__)
 template <typename T>
-constexpr bool kWide = std::is_same_v<T, mx::float16_t>;
+constexpr bool kWide = true;
 #else
 template <typename T>
 constexpr bool kWide = false;

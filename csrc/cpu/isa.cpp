@@ -137,17 +137,17 @@ KernelFns kernel_fns(Dtype dtype, int head_dim) {
   switch (selected().load()) {
 #if defined(MBD_HAS_AMX)
     case Isa::amx:
+#if defined(MBD_HAS_AVX512FP16)
+      // Built on the AVX512-FP16 variant: float32 runs its 16-lane loops.
+      return amx::kernel_fns(dtype, head_dim);
+#else
       // float32 keeps the AVX2 kernel: its bytes, not its arithmetic, bound it.
       return dtype == Dtype::float32 ? avx2::kernel_fns(dtype, head_dim) : amx::kernel_fns(dtype, head_dim);
 #endif
+#endif
 #if defined(MBD_HAS_AVX512FP16)
     case Isa::avx512fp16:
-      // float16 has code of its own (16-lane vectors); bfloat16 is the
-      // AVX512_BF16 kernel, float32 the AVX2 one, as below.
-      if (dtype == Dtype::float16) {
-        return avx512fp16::kernel_fns(dtype, head_dim);
-      }
-      return dtype == Dtype::bfloat16 ? avx512bf16::kernel_fns(dtype, head_dim) : avx2::kernel_fns(dtype, head_dim);
+      return avx512fp16::kernel_fns(dtype, head_dim);
 #endif
 #if defined(MBD_HAS_AVX512BF16)
     case Isa::avx512bf16:

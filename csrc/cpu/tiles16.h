@@ -1,6 +1,7 @@
 // The kernel's two inner loops (tiles.h) on 16-lane float32 vectors, for
-// float16 rows in a variant compiled for AVX512-FP16. Keys and values are
-// widened by one conversion per 16 elements (VCVTPH2PSX, exact) and every
+// 16-bit rows in a variant compiled for AVX512-FP16. Keys and values are
+// widened by one conversion per 16 elements (VCVTPH2PSX for float16, a shift
+// for bfloat16; both exact) and every
 // product and sum stays in float32, as in the 8-lane loops: native half
 // precision FMAs would round each product to 11 bits and each partial sum
 // to half precision, which the contract's float32 accumulation rules out.
@@ -23,6 +24,12 @@ inline __m512 load16(const float* p) {
 
 inline __m512 load16(const mx::float16_t* p) {
   return _mm512_cvtxph_ps(_mm256_loadu_ph(p));
+}
+
+// A bfloat16 is the high half of the float32 of the same value.
+inline __m512 load16(const mx::bfloat16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
 // As in_register (vector_math.h): one load per use, not one folded into each FMA.
