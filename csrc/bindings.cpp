@@ -145,8 +145,8 @@ Args:
         ``window`` positions, itself included.
     sinks (array, optional): [H_q], floating: a per-head logit in each row's
         softmax denominator, with no value.
-    stream (Stream or Device, optional): where to run, keyword only (CPU
-        only for now).
+    stream (Stream or Device, optional): where to run, keyword only. The
+        Metal kernel reads a shared block once per request.
 
 Returns:
     array: [B, H_q, L, D] in the queries' dtype, accumulated in float32. A
