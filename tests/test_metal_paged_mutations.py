@@ -17,12 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness package 
 
 from metal_emu.build import build_library  # noqa: E402
 from metal_emu.driver import EmulatedLibrary  # noqa: E402
-from metal_emu.mutants import mutant_source  # noqa: E402
+from metal_emu.mutants import PAGED_ONLY, mutant_source  # noqa: E402
 from metal_emu.reference import TOLERANCE  # noqa: E402
 from test_metal_paged_emulated import paged_case, run  # noqa: E402
 
 KERNEL = "batched_decode_attention_float32_64"
-PAGED_MUTANTS = ["paged_entry_above_pool_read", "paged_out_of_pool_row_read", "paged_row_without_keys_not_zeroed"]
 
 
 def passes(lib) -> bool:
@@ -38,6 +37,6 @@ def test_unmutated_kernel_passes():
     assert passes(EmulatedLibrary(build_library()))
 
 
-@pytest.mark.parametrize("name", PAGED_MUTANTS)
+@pytest.mark.parametrize("name", sorted(PAGED_ONLY))
 def test_paged_mutant_fails(name):
     assert not passes(EmulatedLibrary(build_library(mutant_source(name, [KERNEL])))), name

@@ -141,25 +141,29 @@ inline BdaRange bda_row_keys(int len, int start, int num_rows, int i, int window
   return BdaRange{max(start, pos - window + 1), pos + 1};
 }
 
-// The row source: where position t of request b lives, as an offset into a
-// K or V tensor whose head is already applied, or -1 when a paged position's
-// page lies outside the pool (it holds no key). Dense: [B, H_kv, T, D] views;
-// paged: pools addressed by block_tables (BatchedDecodeParams).
-inline int64_t bda_row_offset(
-    const device int* block_tables,
-    const constant BatchedDecodeParams& p,
-    int b,
-    int t,
-    int64_t batch_stride,
-    int64_t seq_stride) {
+// The row source: where position t of request b lives in the keys and the
+// values, as offsets in elements from their head (which the caller applies).
+// Dense: [B, H_kv, T, D] views. Paged: pools addressed by block_tables
+// (BatchedDecodeParams); a position whose page lies outside the pool holds no
+// key (valid is false) and is never read.
+struct BdaRow {
+  bool valid;
+  int64_t k;
+  int64_t v;
+};
+
+inline BdaRow bda_row(const device int* block_tables, const constant BatchedDecodeParams& p, int b, int t) {
   if (p.block_size == 0) {
-    return int64_t(b) * batch_stride + int64_t(t) * seq_stride;
+    return BdaRow{true, int64_t(b) * p.k_batch_stride + int64_t(t) * p.k_seq_stride,
+                  int64_t(b) * p.v_batch_stride + int64_t(t) * p.v_seq_stride};
   }
   const int page = block_tables[b * p.table_batch_stride + (t / p.block_size) * p.table_page_stride];
   if (page < 0 || page >= p.num_blocks) {
-    return -1;
+    return BdaRow{false, 0, 0};
   }
-  return int64_t(page) * batch_stride + int64_t(t % p.block_size) * seq_stride;
+  const int row = t % p.block_size;
+  return BdaRow{true, int64_t(page) * p.k_batch_stride + int64_t(row) * p.k_seq_stride,
+                int64_t(page) * p.v_batch_stride + int64_t(row) * p.v_seq_stride};
 }
 
 // Whether keys [lo, hi) of request b hold a key: always, unless paged and every
@@ -280,11 +284,10 @@ template <typename T, int D, bool GENERIC>
   const device T* vbase = values + kv_head * p.v_head_stride;
   for (int t = begin + int(sg); t < end; t += int(num_sg)) {
     // Uniform across the simdgroup (one t per simdgroup): skipping keeps simd_sum whole.
-    const int64_t k_at = bda_row_offset(kv_starts, p, b, t, p.k_batch_stride, p.k_seq_stride);
-    if (k_at < 0) {
+    const BdaRow row = bda_row(kv_starts, p, b, t);
+    if (!row.valid) {
       continue;
     }
-    const int64_t v_at = bda_row_offset(kv_starts, p, b, t, p.v_batch_stride, p.v_seq_stride);
     floatv k[C];
     floatv v[C];
     for (int c = 0; c < C; ++c) {
@@ -292,8 +295,8 @@ template <typename T, int D, bool GENERIC>
       k[c] = floatv(0.0f);
       v[c] = floatv(0.0f);
       if (vi < nv) {
-        k[c] = bda_load<T, V>::row(kbase + k_at + vi * V, vectors);
-        v[c] = bda_load<T, V>::row(vbase + v_at + vi * V, vectors);
+        k[c] = bda_load<T, V>::row(kbase + row.k + vi * V, vectors);
+        v[c] = bda_load<T, V>::row(vbase + row.v + vi * V, vectors);
       }
     }
     for (int r = 0; r < RB; ++r) {

@@ -71,7 +71,7 @@ MUTATIONS = {
         "if (page < 0) {",
     ),
     "paged_out_of_pool_row_read": (
-        "    if (k_at < 0) {\n      continue;\n    }\n",
+        "    if (!row.valid) {\n      continue;\n    }\n",
         "",
     ),
     # A row whose pages all lie outside the pool is 0/0 instead of zeros.
@@ -86,6 +86,9 @@ MUTATIONS = {
     ),
 }
 
+
+# Mutations of the paged row source, run on paged cases (tests/test_metal_paged_mutations.py).
+PAGED_ONLY = {"paged_entry_above_pool_read", "paged_out_of_pool_row_read", "paged_row_without_keys_not_zeroed"}
 
 # Caught by the AddressSanitizer + UBSan build only (tests/test_metal_sanitizers.py):
 # on x86 a misaligned vector load reads the right bytes.
