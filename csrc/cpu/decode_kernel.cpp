@@ -68,7 +68,6 @@ struct Scratch {
   std::vector<uint32_t> masks;
   std::vector<KeyRange> ranges;
   std::vector<T> block;
-  int64_t k_ahead[kBlock], v_ahead[kBlock]; // a paged source's successor offsets (Lookahead)
 
   void reserve(int R, int L, int Dp) {
     grow(q, static_cast<size_t>(R) * Dp);
@@ -408,6 +407,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
   const RowSource<T> vs = row_source<T>(a, a.values, a.v_stride, c.b, c.h);
   T* block = s.block.data();
   const T* rows[kBlock];
+  int64_t k_ahead[kBlock], v_ahead[kBlock]; // a paged source's successor offsets (Lookahead)
   bool vector_queries = false;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   AmxItem<T>& tiles = tls_tiles<T>;
@@ -446,7 +446,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     }
     // Each key row is read once and scored against all R query rows, two at a
     // time (four with the bfloat16 dot product).
-    const uint32_t valid = load_block<T, D>(a, ks, t, n, t1, block, rows, &k_next, s.k_ahead);
+    const uint32_t valid = load_block<T, D>(a, ks, t, n, t1, block, rows, &k_next, k_ahead);
     for (int j = 0; j < n; j += 4) {
       const Lookahead ahead{k_next.offset, k_next.rows - j, k_next.offsets ? k_next.offsets + j : nullptr};
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -488,7 +488,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     }
 
     // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.
-    load_block<T, D>(a, vs, t, n, t1, block, rows, &v_next, s.v_ahead);
+    load_block<T, D>(a, vs, t, n, t1, block, rows, &v_next, v_ahead);
     if (masked) {
       for_row_tiles<4>(R, [&]<int H>(int r) {
         accumulate_rows<D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, masks + r);
