@@ -65,11 +65,13 @@ class OpSpy:
 
     def __init__(self, monkeypatch):
         self.paged = self.dense = 0
+        self.tables = []
         real = mlx_batched_decode.paged_decode_attention
 
-        def paged(*args, **kwargs):
+        def paged(queries, key_pages, value_pages, block_tables, valid_lens, **kwargs):
             self.paged += 1
-            return real(*args, **kwargs)
+            self.tables.append((block_tables, valid_lens))
+            return real(queries, key_pages, value_pages, block_tables, valid_lens, **kwargs)
 
         def dense(*args, **kwargs):
             self.dense += 1
@@ -94,6 +96,11 @@ def test_greedy_matches_mlx_lm_with_shared_prefixes(
     assert out == references[family]
     layers = len(decoder.paged_cache.keys)
     assert spy.paged == decoder.stats.steps * layers and spy.dense == 0
+    # One step's layers all read the same block tables and lengths, built once per step.
+    for step in range(decoder.stats.steps):
+        arrays = spy.tables[step * layers : (step + 1) * layers]
+        assert all(t is arrays[0][0] and v is arrays[0][1] for t, v in arrays)
+    assert len({id(t) for t, _ in spy.tables}) == decoder.stats.steps
     hits = expected_hits(PROMPTS, block_size) if sharing else 0
     assert decoder.stats.prefix_hit_tokens == hits
     assert decoder.stats.prompt_tokens == sum(len(p) - 1 for p in PROMPTS)
