@@ -26,6 +26,7 @@ from typing import Hashable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ._ext import advise_huge_pages
 from .block_allocator import BlockAllocator
 from .paged_context import PagedDecodeContext
 
@@ -304,12 +305,25 @@ class PagedKVCache:
             shape = (self.num_blocks, self.block_size, keys.shape[1])
             self.keys[layer] = mx.zeros((*shape, keys.shape[3]), keys.dtype)
             self.values[layer] = mx.zeros((*shape, values.shape[3]), values.dtype)
+            self._place_on_huge_pages([self.keys[layer], self.values[layer]])
         self._grow_pools()
 
     def _grow_pools(self) -> None:
         # Block ids are kept: the pools grow at their end, to the allocator's capacity.
+        grown = []
         for pools in (self.keys, self.values):
             for layer, pool in enumerate(pools):
                 if pool is not None and pool.shape[0] < self.num_blocks:
                     widths = [(0, self.num_blocks - pool.shape[0])] + [(0, 0)] * 3
                     pools[layer] = mx.pad(pool, widths)
+                    grown.append(pools[layer])
+        if grown:
+            self._place_on_huge_pages(grown)
+
+    @staticmethod
+    def _place_on_huge_pages(pools: list[mx.array]) -> None:
+        # As SlotKVCache: new buffers only, where the kernel streams them faster; the pages
+        # are chosen once the memory exists, so this costs a sync per growth.
+        mx.eval(pools)
+        for pool in pools:
+            advise_huge_pages(pool)
