@@ -20,6 +20,7 @@ without touching any block in use, so a request admitted with a reservation neve
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Optional
 
@@ -84,10 +85,11 @@ class BlockAllocator:
         """Unreferenced blocks kept as cached prefixes."""
         return len(self._cached)
 
-    def available(self) -> int:
+    def available(self) -> float:
         """Blocks that can be handed out without touching a block in use or reserved: free,
-        cached (evictable) and not yet created within the budget, less the reservations."""
-        headroom = float("inf") if self.max_blocks is None else self.max_blocks - self.capacity
+        cached (evictable) and not yet created within the budget, less the reservations
+        (``math.inf`` without a budget)."""
+        headroom = math.inf if self.max_blocks is None else self.max_blocks - self.capacity
         return len(self._free) + len(self._cached) + headroom - self.reserved
 
     # -- allocation ---------------------------------------------------------------------------
