@@ -16,6 +16,8 @@ namespace {
   throw std::invalid_argument("[batched_decode_attention] " + what);
 }
 
+} // namespace
+
 std::string shape_str(const mx::array& a) {
   std::ostringstream s;
   s << "(";
@@ -35,6 +37,8 @@ std::string dtype_str(mx::Dtype t) {
 bool is_supported_dtype(mx::Dtype t) {
   return t == mx::float16 || t == mx::bfloat16 || t == mx::float32;
 }
+
+namespace {
 
 // Per-request positions (valid_lens, kv_starts): integer [B].
 void check_positions(const mx::array& a, const std::string& name, int B) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include "mlx/array.h"
 #include "mlx/utils.h"
@@ -34,6 +35,13 @@ DecodeShape check_arguments(
 // dtypes are clamped to [0, T] first, so that 2^32 + 2 means "all of T"
 // rather than wrapping to 2.
 mx::array positions_as_int32(const mx::array& positions, int T, mx::StreamOrDevice s);
+
+// "(2, 3, 4)" and "float16", for error messages.
+std::string shape_str(const mx::array& a);
+std::string dtype_str(mx::Dtype t);
+
+// float16, bfloat16 or float32: the dtypes the kernels read.
+bool is_supported_dtype(mx::Dtype t);
 
 // The scale to use: the given one or 1/sqrt(D).
 float resolve_scale(std::optional<float> scale, int head_dim);

@@ -12,6 +12,7 @@
 #include "huge_pages.h"
 #include "metal_backend.h"
 #include "metal_source.h"
+#include "paged_decode_attention.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -100,6 +101,84 @@ mask of each row's key range). Same arguments, shapes and errors; slower,
 differentiable, and the fallback the primitive uses for vjp, jvp and vmap.)");
 
   m.def(
+      "paged_decode_attention",
+      &mbd::paged_decode_attention,
+      "queries"_a,
+      "key_pages"_a,
+      "value_pages"_a,
+      "block_tables"_a,
+      "valid_lens"_a,
+      nb::kw_only(),
+      "scale"_a = nb::none(),
+      "window"_a = nb::none(),
+      "sinks"_a = nb::none(),
+      "stream"_a = nb::none(),
+      nb::sig(
+          "def paged_decode_attention(queries: mlx.core.array, key_pages: mlx.core.array, "
+          "value_pages: mlx.core.array, block_tables: mlx.core.array, valid_lens: mlx.core.array, *, "
+          "scale: float | None = None, window: int | None = None, sinks: mlx.core.array | None = None, "
+          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
+      R"(Batched decode attention over paged key/value caches (block tables).
+
+Dimension legend: B requests, H_q query heads, H_kv key/value heads
+(G = H_q / H_kv query heads share one KV head), L query rows per request,
+D head dim (1 to 512), NB blocks in the pool, BS rows per block, MB table
+entries per request, T = MB * BS logical positions.
+
+Position j of request b is row j % BS of block block_tables[b, j // BS].
+With len_b = clamp(valid_lens[b], 0, T), query row i sits at position
+p = len_b - L + i and attends positions max(p - window + 1, 0) .. p, as in
+``batched_decode_attention``. Table entries at or past len_b are never read,
+whatever they hold (-1 is customary); an entry inside len_b that lies outside
+[0, NB) is never dereferenced and its block holds no key. Requests whose
+tables hold the same block at the same position (a shared prefix) have that
+block read once for all of them by the CPU kernel.
+
+Args:
+    queries (array): [B, H_q, L, D], float16, bfloat16 or float32.
+    key_pages (array): [NB, BS, H_kv, D], same dtype; any strides, read in place.
+    value_pages (array): [NB, BS, H_kv, D], same dtype and shape as key_pages.
+    block_tables (array): [B, MB], int32.
+    valid_lens (array): [B], integer: the positions each request has.
+    scale (float, optional): score scale, default 1/sqrt(D).
+    window (int, optional): >= 1; each row attends at most its last
+        ``window`` positions, itself included.
+    sinks (array, optional): [H_q], floating: a per-head logit in each row's
+        softmax denominator, with no value.
+    stream (Stream or Device, optional): where to run, keyword only (CPU
+        only for now).
+
+Returns:
+    array: [B, H_q, L, D] in the queries' dtype, accumulated in float32. A
+    row with no key to attend gets zeros.
+
+Raises:
+    ValueError: malformed arguments, before any work is queued.)");
+
+  m.def(
+      "reference_paged_attention",
+      &mbd::reference_paged_attention,
+      "queries"_a,
+      "key_pages"_a,
+      "value_pages"_a,
+      "block_tables"_a,
+      "valid_lens"_a,
+      nb::kw_only(),
+      "scale"_a = nb::none(),
+      "window"_a = nb::none(),
+      "sinks"_a = nb::none(),
+      "stream"_a = nb::none(),
+      nb::sig(
+          "def reference_paged_attention(queries: mlx.core.array, key_pages: mlx.core.array, "
+          "value_pages: mlx.core.array, block_tables: mlx.core.array, valid_lens: mlx.core.array, *, "
+          "scale: float | None = None, window: int | None = None, sinks: mlx.core.array | None = None, "
+          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
+      R"(``paged_decode_attention`` in plain MLX ops (the pages gathered into a
+dense cache, positions of out-of-pool blocks masked, float32 softmax). Same
+arguments, shapes and errors; slower, differentiable, and the fallback the
+primitive uses for vjp, jvp and vmap.)");
+
+  m.def(
       "advise_huge_pages",
       &mbd::advise_huge_pages,
       "array"_a,
@@ -148,6 +227,9 @@ Returns:
         "Number of times the fused CPU kernel has run in this process.");
   m.def("cpu_tile_blocks", &mbd::cpu::tile_blocks,
         "Number of 32-key blocks the CPU kernel has computed on AMX tiles in this process.");
+  m.def("cpu_shared_items", &mbd::cpu::shared_items,
+        "Number of paged work items the CPU kernel has run that read shared blocks once for "
+        "several requests in this process.");
   m.def("cpu_isa", &mbd::cpu::current_isa,
         "Instruction-set variant of the CPU kernel in use: 'baseline', 'avx2', 'avx512bf16' or 'amx'.");
   m.def("cpu_isas", &mbd::cpu::available_isas,

@@ -4,6 +4,7 @@
 
 #include "arguments.h"
 #include "batched_decode_attention.h"
+#include "reference_attention.h"
 #include "mlx/ops.h"
 
 namespace mlx_batched_decode {
@@ -27,7 +28,23 @@ mx::array reference_attention(
     std::optional<int> window,
     const std::optional<mx::array>& sinks,
     mx::StreamOrDevice s) {
-  const DecodeShape d = check_arguments(queries, keys, values, valid_lens, scale, kv_starts, window, sinks);
+  check_arguments(queries, keys, values, valid_lens, scale, kv_starts, window, sinks);
+  return masked_reference_attention(queries, keys, values, valid_lens, scale, kv_starts, window, sinks, std::nullopt, s);
+}
+
+mx::array masked_reference_attention(
+    const mx::array& queries,
+    const mx::array& keys,
+    const mx::array& values,
+    const mx::array& valid_lens,
+    std::optional<float> scale,
+    const std::optional<mx::array>& kv_starts,
+    std::optional<int> window,
+    const std::optional<mx::array>& sinks,
+    const std::optional<mx::array>& key_mask,
+    mx::StreamOrDevice s) {
+  const DecodeShape d{queries.shape(0), queries.shape(1), keys.shape(1), queries.shape(1) / keys.shape(1),
+                      queries.shape(2), keys.shape(2),    queries.shape(3)};
   const float sc = resolve_scale(scale, d.D);
 
   // [B, H_kv, G, L, D]: the G query heads of a KV head attend to the same keys.
@@ -50,6 +67,9 @@ mx::array reference_attention(
   auto attends = mx::logical_and(
       mx::greater_equal(j, mx::expand_dims(lo, 2, s), s),
       mx::less_equal(j, mx::expand_dims(p, 2, s), s), s); // [B, L, T]
+  if (key_mask) {
+    attends = mx::logical_and(attends, mx::expand_dims(*key_mask, 1, s), s);
+  }
   auto mask = mx::reshape(attends, {d.B, 1, 1, d.L, d.T}, s);
 
   auto scores = mx::matmul(q, mx::swapaxes(k, 3, 4, s), s); // [B, H_kv, G, L, T]

@@ -34,10 +34,18 @@ struct KeyRange {
 // length, D head dim. The R = G * L query rows of one (request, KV head) are
 // numbered r = g * L + i (head g, row i), their order in the output.
 // Strides are in elements and may be anything (views are read in place).
+//
+// Paged layout (block_tables not null): keys and values are pools
+// [num_blocks, block_size, H_kv, D], k_stride and v_stride are {page, head,
+// row, dim}, T = max_blocks * block_size, and position j of request b is row
+// j % block_size of page block_tables[b, j / block_size] (see row_source.h).
 struct DecodeArgs {
   const void* queries; // [B, H_q, L, D]
-  const void* keys; // [B, H_kv, T, D]
-  const void* values; // [B, H_kv, T, D]
+  const void* keys; // [B, H_kv, T, D], or a pool
+  const void* values; // [B, H_kv, T, D], or a pool
+  const int32_t* block_tables = nullptr; // [B, max_blocks] or null (dense)
+  int64_t table_stride[2] = {0, 0};
+  int block_size = 0, num_blocks = 0;
   const int32_t* valid_lens; // [B], clamped to [0, T] by the kernel
   const int32_t* kv_starts; // [B] or null (0), clamped to [0, T] by the kernel
   const float* sinks; // [H_q] or null
@@ -47,7 +55,7 @@ struct DecodeArgs {
   int Dp; // padded_head_dim(D)
   int window; // effective_window(): in [1, T], T (or 1) when the layer has none
   int64_t q_stride[4]; // batch, head, row, dim
-  int64_t k_stride[4]; // batch, head, position, dim
+  int64_t k_stride[4]; // batch, head, position, dim (paged: page, head, row, dim)
   int64_t v_stride[4];
   int64_t lens_stride;
   int64_t starts_stride;
@@ -108,13 +116,23 @@ struct PartialState {
   }
 };
 
-// Keys [t0, t1) of request b, KV head h: one work item.
+// Keys [t0, t1) of request b, KV head h: one work item. In the paged layout
+// it may serve several requests whose tables hold the same pages over
+// [t0, t1) (a shared prefix): members[0 .. count), b == members[0], each
+// request's rows masked to their own ranges; null members means b alone.
 struct Chunk {
   int b, h, t0, t1;
+  const int* members = nullptr;
+  int count = 1;
+
+  int request(int m) const {
+    return members ? members[m] : b;
+  }
 };
 
-// Attends the R query rows of c.b, c.h to keys [c.t0, c.t1) and stores the
-// state. next, if not null, is the chunk this thread runs after it: its first
+// Attends the query rows of c's count requests (R = G * L each, request m's
+// at rows m * R ..) to keys [c.t0, c.t1) of head c.h and stores the state.
+// next, if not null, is the chunk this thread runs after it: its first
 // rows are requested from memory while this one ends.
 using ChunkFn = void (*)(const DecodeArgs&, const Chunk& c, PartialState, const Chunk* next);
 // Merges the n partial states stored back to back at parts and writes the R

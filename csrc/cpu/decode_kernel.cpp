@@ -12,6 +12,7 @@
 #include "cpu/decode_args.h"
 #include "cpu/kernel_table.h"
 #include "cpu/parallel_decode.h"
+#include "cpu/row_source.h"
 #include "cpu/tiles.h"
 #include "cpu/vector_math.h"
 
@@ -98,29 +99,35 @@ bool gathered(const int64_t* stride) {
   return D == 0 || stride[3] != 1;
 }
 
-// Points rows[j] at position t + j of a [T, D] head, for j < n: in place
-// when the last axis is contiguous, else gathered into block, the D elements
-// of a row zero-padded to Dp. A gathered row has no fixed successor for the
-// vector loops to request, so the row one block on is requested here, for
-// t + j + kBlock < end. Rows n to the next multiple of 4 repeat row n - 1, so
-// the scoring can run on whole groups of four; their scores are never read.
+// Points rows[j] at position t + j of the source, for j < n, and returns the
+// bits j of the positions that hold a key: all but those of a paged source
+// whose table entry lies outside the pool, whose rows point at zeros in block
+// instead. Rows are read in place when the last axis is contiguous, else
+// gathered into block, the D elements of a row zero-padded to Dp. Gathered
+// and paged rows have no fixed successor for the vector loops to request, so
+// the rows one block on, below end, are requested here. Rows n to the next
+// multiple of 4 repeat row n - 1, so the scoring can run on whole groups of
+// four; their scores are never read.
 template <typename T, int D>
-void load_block(
-    const DecodeArgs& a, const T* head, const int64_t* stride, int t, int n, int end, T* block, const T** rows) {
+uint32_t load_block(const DecodeArgs& a, const RowSource<T>& src, int t, int n, int end, T* block, const T** rows) {
   const int Dp = D ? D : a.Dp;
-  for (int j = 0; j < n; ++j) {
-    const T* row = head + (t + j) * stride[2];
+  const int64_t* stride = src.stride;
+  if (gathered<D>(stride) || src.paged()) {
+    src.prefetch(t + kBlock, std::min(n, end - t - kBlock), a.D);
+  }
+  uint32_t valid = 0;
+  src.for_rows(t, n, [&](int j, const T* row) {
+    T* copy = block + j * Dp;
+    if (row == nullptr) {
+      std::fill_n(copy, Dp, T(0.0f));
+      rows[j] = copy;
+      return;
+    }
+    valid |= 1u << j;
     if (!gathered<D>(stride)) {
       rows[j] = row;
-      continue;
+      return;
     }
-    if (t + j + kBlock < end) {
-      const T* ahead = row + kBlock * stride[2];
-      for (int i = 0; i < a.D; i += 64 / static_cast<int>(sizeof(T))) {
-        __builtin_prefetch(ahead + i * stride[3], 0, 1);
-      }
-    }
-    T* copy = block + j * Dp;
     if (stride[3] == 1) {
       std::copy_n(row, a.D, copy);
     } else {
@@ -130,10 +137,22 @@ void load_block(
     }
     std::fill(copy + a.D, copy + Dp, T(0.0f));
     rows[j] = copy;
-  }
+  });
   for (int j = n; j % 4 != 0; ++j) {
     rows[j] = rows[n - 1];
   }
+  return valid;
+}
+
+// Whether rows [0, n) lie one row stride apart, as one block of a dense head.
+template <typename T>
+bool contiguous_rows(const T* const* rows, int n, int64_t row_stride) {
+  for (int j = 1; j < n; ++j) {
+    if (rows[j] != rows[0] + j * row_stride) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // Requests rows [0, n) of a [n, D] block with the given row stride into L2.
@@ -149,11 +168,11 @@ void prefetch_rows(const T* first, int64_t row_stride, int n) {
 
 // The rows to request while block [t, t + n) of chunk c runs: the next block
 // of c, else the first block of the chunk this thread runs next, so that short
-// chunks do not each start cold. Gathered rows have no fixed successor
-// offset and are not requested.
+// chunks do not each start cold. Gathered and paged rows have no fixed
+// successor offset and are requested by load_block instead.
 template <int D>
-Lookahead successor_rows(const int64_t* stride, const Chunk& c, int t, int n, const Chunk* next) {
-  if (gathered<D>(stride)) {
+Lookahead successor_rows(const DecodeArgs& a, const int64_t* stride, const Chunk& c, int t, int n, const Chunk* next) {
+  if (gathered<D>(stride) || a.block_tables != nullptr) {
     return {};
   }
   if (t + n < c.t1) {
@@ -199,15 +218,21 @@ inline uint32_t block_mask(KeyRange r, int t, int n) {
   return below_hi & ~((1u << lo) - 1);
 }
 
-// Loads the R query rows of (b, h) into the scratch: scaled float32 rows
-// [R, Dp] (unscaled T rows for kBf16Dot), zero-padded past D.
+// Query row r of work item c: request c.request(r / R), head g, row i.
+template <typename T>
+const T* query_row(const DecodeArgs& a, const Chunk& c, int r) {
+  const int R = a.rows(), g = r % R / a.L, i = r % a.L;
+  return static_cast<const T*>(a.queries) + c.request(r / R) * a.q_stride[0] +
+      static_cast<int64_t>(c.h * a.G + g) * a.q_stride[1] + i * a.q_stride[2];
+}
+
+// Loads the query rows of work item c into the scratch: scaled float32 rows
+// [count * R, Dp] (unscaled T rows for kBf16Dot), zero-padded past D.
 template <typename T, int D>
-void load_queries(const DecodeArgs& a, int b, int h, Scratch<T>& s) {
+void load_queries(const DecodeArgs& a, const Chunk& c, Scratch<T>& s) {
   const int Dp = D ? D : a.Dp;
-  const T* q = static_cast<const T*>(a.queries) + b * a.q_stride[0];
-  for (int r = 0; r < a.rows(); ++r) {
-    const int g = r / a.L, i = r % a.L;
-    const T* qr = q + static_cast<int64_t>(h * a.G + g) * a.q_stride[1] + i * a.q_stride[2];
+  for (int r = 0; r < c.count * a.rows(); ++r) {
+    const T* qr = query_row<T>(a, c, r);
     if constexpr (kBf16Dot<T>) {
       for (int e = 0; e < Dp; ++e) {
         s.q_raw[r * Dp + e] = e < a.D ? qr[e * a.q_stride[3]] : T(0.0f);
@@ -237,22 +262,22 @@ struct AmxItem {
   std::vector<KeyRange> group_keys; // [groups]: the keys every row of the group attends
   std::vector<int32_t> lo, hi; // [groups * 16]: row r's keys [lo, hi), 0 past R
 
-  // Prepares item (b, h) for the tiles, or, when !wanted, leaves it to the vector path.
-  void begin(const DecodeArgs& a, int b, int h, int dp, const KeyRange* ranges, bool wanted) {
+  // Prepares item c for the tiles, or, when !wanted, leaves it to the vector
+  // path. ranges: the key ranges of the L rows of each of c's requests.
+  void begin(const DecodeArgs& a, const Chunk& c, int dp, const KeyRange* ranges, bool wanted) {
     usable = false;
     blocks = 0;
     if (!wanted) {
       return;
     }
-    R = a.rows();
+    R = c.count * a.rows();
     groups = (R + amx::kRows - 1) / amx::kRows;
     Dp = dp;
     Dq = (dp + 31) / 32 * 32;
     tls_amx.reserve(groups, Dq, Dp);
     q_rows.resize(R);
-    const T* q = static_cast<const T*>(a.queries) + b * a.q_stride[0];
     for (int r = 0; r < R; ++r) {
-      q_rows[r] = q + static_cast<int64_t>(h * a.G + r / a.L) * a.q_stride[1] + (r % a.L) * a.q_stride[2];
+      q_rows[r] = query_row<T>(a, c, r);
     }
     // Queries that are not finite leave the item to the vector path.
     usable = amx::transpose_queries(q_rows.data(), a.q_stride[3], R, a.D, Dq, tls_amx);
@@ -260,7 +285,7 @@ struct AmxItem {
     hi.assign(groups * amx::kRows, 0);
     group_keys.assign(groups, {0, std::numeric_limits<int>::max()});
     for (int r = 0; r < R; ++r) {
-      const KeyRange k = ranges[r % a.L];
+      const KeyRange k = ranges[r / a.rows() * a.L + r % a.L];
       lo[r] = k.lo;
       hi[r] = k.hi;
       KeyRange& all = group_keys[r / amx::kRows];
@@ -278,18 +303,22 @@ struct AmxItem {
     }
   }
 
-  // Keys [t, t + n) of head kh / vh into the state; false (nothing changed)
-  // when a key or value of the block is not finite. load(head, stride) points
-  // rows at the block's rows of a head, as load_block does.
+  // Keys [t, t + n) of sources ks / vs into the state; false (nothing
+  // changed) when a key or value of the block is not finite or a position
+  // holds no key. load(source) points rows at the block's rows of a source,
+  // as load_block does, and returns the bits of the positions with a key.
   template <typename Load>
-  bool block(const DecodeArgs& a, const T* kh, const T* vh, int t, int n, Lookahead k_next, Lookahead v_next,
-             const T** rows, PartialState st, Load&& load) {
+  bool block(const DecodeArgs& a, const RowSource<T>& ks, const RowSource<T>& vs, int t, int n, Lookahead k_next,
+             Lookahead v_next, const T** rows, PartialState st, Load&& load) {
     if (!usable) {
       return false;
     }
     constexpr bool split16 = std::is_same_v<T, mx::float16_t>;
     amx::Scratch& s = tls_amx;
-    load(kh, a.k_stride);
+    const uint32_t all = n == 32 ? ~0u : (1u << n) - 1;
+    if (load(ks) != all) {
+      return false;
+    }
     // Whole blocks of bfloat16 keys in rows of whole 32-element chunks are
     // read by the tile loads in place, when their row stride fits the tile
     // loads' 32-bit byte stride.
@@ -302,14 +331,14 @@ struct AmxItem {
       if (!amx::split_keys(rows, n, Dp, Dq, s)) {
         return false;
       }
-    } else if (n == kBlock && Dp == Dq && rows[1] == rows[0] + a.k_stride[2] &&
+    } else if (n == kBlock && Dp == Dq && contiguous_rows(rows, n, a.k_stride[2]) &&
                std::abs(a.k_stride[2]) < (int64_t{1} << 30)) {
       keys = reinterpret_cast<const uint16_t*>(rows[0]);
       k_stride = a.k_stride[2];
     } else {
       amx::copy_keys(rows, n, Dp, Dq, s);
     }
-    load(vh, a.v_stride);
+    load(vs);
     next.set(1, rows[0], a.v_stride[2], v_next.offset, v_next.rows, Dp);
     if (!amx::pair_values(rows, n, Dp, s)) {
       return false;
@@ -338,11 +367,12 @@ thread_local AmxItem<T> tls_tiles;
 
 template <typename T, int D>
 void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Chunk* next) {
-  const int b = c.b, h = c.h, t0 = c.t0, t1 = c.t1;
-  const int R = a.rows(), L = a.L;
+  const int t0 = c.t0, t1 = c.t1;
+  // Rows of all c.count requests; their L row ranges each are lines = count * L.
+  const int R = c.count * a.rows(), L = a.L, lines = c.count * L;
   const int Dp = D ? D : a.Dp;
   Scratch<T>& s = tls_scratch<T>;
-  s.reserve(R, L, Dp);
+  s.reserve(R, lines, Dp);
   float* qs = s.q.data();
   float* scores = s.scores.data();
   float* alpha = s.alpha.data();
@@ -354,38 +384,43 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     st.l[r] = 0.0f;
     std::fill_n(st.acc + r * Dp, Dp, 0.0f);
   }
-  const int len = a.length(b), start = a.start(b);
-  for (int i = 0; i < L; ++i) {
-    s.ranges[i] = a.row_range(len, start, i);
+  for (int m = 0; m < c.count; ++m) {
+    const int len = a.length(c.request(m)), start = a.start(c.request(m));
+    for (int i = 0; i < L; ++i) {
+      s.ranges[m * L + i] = a.row_range(len, start, i);
+    }
   }
 
-  const T* kh = static_cast<const T*>(a.keys) + b * a.k_stride[0] + h * a.k_stride[1];
-  const T* vh = static_cast<const T*>(a.values) + b * a.v_stride[0] + h * a.v_stride[1];
+  // The members' tables hold the same pages over [t0, t1): the first one's is read.
+  const RowSource<T> ks = row_source<T>(a, a.keys, a.k_stride, c.b, c.h);
+  const RowSource<T> vs = row_source<T>(a, a.values, a.v_stride, c.b, c.h);
   T* block = s.block.data();
   const T* rows[kBlock];
   bool vector_queries = false;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   AmxItem<T>& tiles = tls_tiles<T>;
   if constexpr (kAmx<T>) {
-    tiles.begin(a, b, h, Dp, s.ranges.data(), R >= kAmxMinRows<T>);
+    tiles.begin(a, c, Dp, s.ranges.data(), R >= kAmxMinRows<T>);
   }
 #endif
   // The first block's values are requested while its keys are scored, in case
   // no previous chunk requested them.
-  if (!gathered<D>(a.v_stride)) {
-    prefetch_rows<T, D>(vh + t0 * a.v_stride[2], a.v_stride[2], std::min(kBlock, t1 - t0));
+  if (!gathered<D>(a.v_stride) && !vs.paged()) {
+    prefetch_rows<T, D>(vs.base + t0 * a.v_stride[2], a.v_stride[2], std::min(kBlock, t1 - t0));
+  } else if (vs.paged()) {
+    vs.prefetch(t0, std::min(kBlock, t1 - t0), a.D);
   }
   for (int t = t0; t < t1; t += kBlock) {
     const int n = std::min(kBlock, t1 - t);
     // The next rows are requested from memory while this block is computed:
     // hardware prefetchers stop at each 4 KiB page.
-    const Lookahead k_next = successor_rows<D>(a.k_stride, c, t, n, next);
-    const Lookahead v_next = successor_rows<D>(a.v_stride, c, t, n, next);
+    const Lookahead k_next = successor_rows<D>(a, a.k_stride, c, t, n, next);
+    const Lookahead v_next = successor_rows<D>(a, a.v_stride, c, t, n, next);
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if constexpr (kAmx<T>) {
-      if (tiles.block(a, kh, vh, t, n, k_next, v_next, rows, st, [&](const T* head, const int64_t* stride) {
-            load_block<T, D>(a, head, stride, t, n, t1, block, rows);
+      if (tiles.block(a, ks, vs, t, n, k_next, v_next, rows, st, [&](const RowSource<T>& src) {
+            return load_block<T, D>(a, src, t, n, t1, block, rows);
           })) {
         continue;
       }
@@ -393,12 +428,12 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
 #endif
     // Loaded at the first block the vector path takes: with the tiles, maybe none.
     if (!vector_queries) {
-      load_queries<T, D>(a, b, h, s);
+      load_queries<T, D>(a, c, s);
       vector_queries = true;
     }
     // Each key row is read once and scored against all R query rows, two at a
     // time (four with the bfloat16 dot product).
-    load_block<T, D>(a, kh, a.k_stride, t, n, t1, block, rows);
+    const uint32_t valid = load_block<T, D>(a, ks, t, n, t1, block, rows);
     for (int j = 0; j < n; j += 4) {
       const Lookahead ahead{k_next.offset, k_next.rows - j};
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -416,16 +451,18 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     }
 
     // Rows whose range cuts this block (L > 1: the rows' ends differ, and their
-    // window starts) take no score and no value from the keys outside it.
+    // window starts; requests sharing pages have their own ranges) take no
+    // score and no value from the keys outside it, nor from a position with no key.
     const uint32_t all = n == 32 ? ~0u : (1u << n) - 1;
     bool masked = false;
-    for (int i = 0; i < L; ++i) {
-      masks[i] = block_mask(s.ranges[i], t, n);
+    for (int i = 0; i < lines; ++i) {
+      masks[i] = block_mask(s.ranges[i], t, n) & valid;
       masked |= masks[i] != all;
     }
     if (masked) {
+      // Row r reads line r / (G * L) * L + r % L <= r: descending keeps the lines it needs.
       for (int r = R - 1; r >= 0; --r) {
-        masks[r] = masks[r % L];
+        masks[r] = masks[r / a.rows() * L + r % L];
         for (int j = 0; j < n; ++j) {
           if (!(masks[r] >> j & 1u)) {
             scores[r * kBlock + j] = kNegInf;
@@ -438,7 +475,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     }
 
     // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.
-    load_block<T, D>(a, vh, a.v_stride, t, n, t1, block, rows);
+    load_block<T, D>(a, vs, t, n, t1, block, rows);
     if (masked) {
       for_row_tiles<4>(R, [&]<int H>(int r) {
         accumulate_rows<D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, masks + r);
@@ -487,7 +524,12 @@ void finalize(const DecodeArgs& a, int b, int h, float* parts, int n) {
       l += w * p.l[r];
       axpy(acc, w, p.acc + r * Dp, Dp);
     }
-    // l == 0 only when every score was -inf: 0/0 = NaN, as in the reference.
+    // A paged row whose positions all lie in blocks outside the pool has no key.
+    if (l == 0.0f && !holds_key(a, b, a.row_range(len, start, r % a.L))) {
+      std::fill_n(o, a.D, T(0.0f));
+      continue;
+    }
+    // Otherwise l == 0 only when every score was -inf: 0/0 = NaN, as in the reference.
     const f32x8 inv = splat(1.0f / l);
     if (D != 0) {
       for (int e = 0; e < D; e += 8) {

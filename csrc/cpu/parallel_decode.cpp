@@ -11,6 +11,7 @@
 #endif
 
 #include "cpu/isa.h"
+#include "cpu/shared_blocks.h"
 #include "cpu/worker_pool.h"
 
 namespace mlx_batched_decode::cpu {
@@ -20,11 +21,15 @@ namespace {
 // Keys per work item: long requests are split (flash-decoding) so that one
 // request or a skewed batch still spreads over all cores.
 constexpr int kChunk = 512;
+// Query rows of one work item that serves several requests (shared pages):
+// the scratch of its queries and scores stays in L2.
+constexpr int kMaxSharedRows = 256;
 // Below this many K/V elements in all, waking pool threads costs more than it saves.
 constexpr int64_t kMinParallelElements = int64_t{1} << 17;
 
 std::atomic<uint64_t> g_calls{0};
 std::atomic<uint64_t> g_tile_blocks{0};
+std::atomic<uint64_t> g_shared_items{0};
 
 int cpu_count() {
 #if defined(__linux__)
@@ -45,16 +50,24 @@ WorkerPool& pool() {
   return *p;
 }
 
-struct Item {
-  Chunk chunk;
+// Where a request's partial state of one work item goes.
+struct Slot {
   int64_t pair; // index of (b, h) in parts_begin / remaining
   int part; // index of the chunk among its pair's
+};
+
+// A work item and the slots of its chunk.count requests: slots[slot ..].
+struct Item {
+  Chunk chunk;
+  int64_t slot;
 };
 
 struct Call {
   DecodeArgs args;
   KernelFns fns;
   std::vector<Item> items;
+  std::vector<Slot> slots;
+  std::vector<int> members; // the requests of shared items, which point into it
   std::vector<int64_t> parts_begin; // [pairs + 1], prefix sum of chunk counts
   std::vector<float> parts; // partial states, PartialState::size(rows, Dp) each
   std::unique_ptr<std::atomic<int>[]> remaining; // chunks left per pair
@@ -63,20 +76,42 @@ struct Call {
 
   void process(const Item& it, const Item* following) {
     const Chunk& c = it.chunk;
-    const int64_t first = parts_begin[it.pair];
-    const int n = static_cast<int>(parts_begin[it.pair + 1] - first);
-    const int64_t part_size = PartialState::size(args.rows(), args.Dp);
-    float* base = parts.data() + first * part_size;
-    if (n == 0) {
+    const int R = args.rows();
+    const int64_t part_size = PartialState::size(R, args.Dp);
+    const Chunk* after = following ? &following->chunk : nullptr;
+    auto state_of = [&](const Slot& slot) {
+      return parts.data() + (parts_begin[slot.pair] + slot.part) * part_size;
+    };
+    if (c.t1 <= c.t0) {
       fns.finalize(args, c.b, c.h, nullptr, 0);
       return;
     }
-    fns.chunk(args, c, PartialState::at(base + it.part * part_size, args.rows()),
-              following ? &following->chunk : nullptr);
+    if (c.count == 1) {
+      fns.chunk(args, c, PartialState::at(state_of(slots[it.slot]), R), after);
+    } else {
+      // One state for all requests' rows, then each request's rows to its own
+      // slot, where they merge with its other chunks as split-K parts do.
+      thread_local std::vector<float> shared;
+      const int all_rows = c.count * R;
+      shared.resize(PartialState::size(all_rows, args.Dp));
+      const PartialState all = PartialState::at(shared.data(), all_rows);
+      fns.chunk(args, c, all, after);
+      for (int m = 0; m < c.count; ++m) {
+        const PartialState own = PartialState::at(state_of(slots[it.slot + m]), R);
+        std::copy_n(all.m + m * R, R, own.m);
+        std::copy_n(all.l + m * R, R, own.l);
+        std::copy_n(all.acc + static_cast<int64_t>(m) * R * args.Dp, static_cast<int64_t>(R) * args.Dp, own.acc);
+      }
+      g_shared_items.fetch_add(1, std::memory_order_relaxed);
+    }
     // The last chunk of a pair to finish merges them; acq_rel makes the other
     // chunks' partial states visible to it.
-    if (remaining[it.pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      fns.finalize(args, c.b, c.h, base, n);
+    for (int m = 0; m < c.count; ++m) {
+      const int64_t pair = slots[it.slot + m].pair;
+      if (remaining[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        const int n = static_cast<int>(parts_begin[pair + 1] - parts_begin[pair]);
+        fns.finalize(args, c.request(m), c.h, parts.data() + parts_begin[pair] * part_size, n);
+      }
     }
   }
 
@@ -95,13 +130,8 @@ struct Call {
   }
 };
 
-std::shared_ptr<Call> plan(const DecodeArgs& a) {
-  auto call = std::make_shared<Call>();
-  call->args = a;
-  call->fns = kernel_fns(a.dtype, a.D);
-  const int64_t pairs = static_cast<int64_t>(a.B) * a.H_kv;
-  call->parts_begin.resize(pairs + 1);
-  call->remaining = std::make_unique<std::atomic<int>[]>(pairs);
+// Items of a dense call: each request's keys in chunks of kChunk from its first one.
+void plan_dense(const DecodeArgs& a, Call& call) {
   int64_t total = 0;
   for (int b = 0; b < a.B; ++b) {
     // Only the keys some query row attends are read: a window or a start skips the rest.
@@ -110,20 +140,84 @@ std::shared_ptr<Call> plan(const DecodeArgs& a) {
     const int chunks = (n + kChunk - 1) / kChunk;
     for (int h = 0; h < a.H_kv; ++h) {
       const int64_t pair = static_cast<int64_t>(b) * a.H_kv + h;
-      call->parts_begin[pair] = total;
-      call->remaining[pair].store(chunks, std::memory_order_relaxed);
+      call.parts_begin[pair] = total;
+      call.remaining[pair].store(chunks, std::memory_order_relaxed);
       total += chunks;
       if (chunks == 0) {
-        call->items.push_back({{b, h, 0, 0}, pair, 0});
+        call.items.push_back({{b, h, 0, 0}, -1});
       }
       for (int c = 0; c < chunks; ++c) {
         const int t0 = keys.lo + c * kChunk;
-        call->items.push_back({{b, h, t0, std::min(keys.hi, t0 + kChunk)}, pair, c});
+        call.items.push_back({{b, h, t0, std::min(keys.hi, t0 + kChunk)}, static_cast<int64_t>(call.slots.size())});
+        call.slots.push_back({pair, c});
       }
     }
   }
-  call->parts_begin[pairs] = total;
-  call->parts.resize(total * PartialState::size(a.rows(), a.Dp));
+  call.parts_begin[static_cast<int64_t>(a.B) * a.H_kv] = total;
+}
+
+// Items of a paged call: the keys on a grid of kChunk positions, one item per
+// group of requests that read the same pages in a cell (shared_blocks.h), per head.
+void plan_paged(const DecodeArgs& a, Call& call) {
+  const std::vector<CellGroup> groups = group_shared_cells(a, kChunk, kMaxSharedRows / std::max(1, a.rows()));
+  std::vector<int> chunks(a.B, 0);
+  for (const CellGroup& g : groups) {
+    for (int b : g.requests) {
+      ++chunks[b];
+    }
+  }
+  int64_t total = 0;
+  for (int b = 0; b < a.B; ++b) {
+    for (int h = 0; h < a.H_kv; ++h) {
+      const int64_t pair = static_cast<int64_t>(b) * a.H_kv + h;
+      call.parts_begin[pair] = total;
+      call.remaining[pair].store(chunks[b], std::memory_order_relaxed);
+      total += chunks[b];
+      if (chunks[b] == 0) {
+        call.items.push_back({{b, h, 0, 0}, -1});
+      }
+    }
+  }
+  call.parts_begin[static_cast<int64_t>(a.B) * a.H_kv] = total;
+  std::vector<int> used(a.B, 0); // parts given out per request so far
+  std::vector<int64_t> first_member; // per item, into members (its pointer is set below)
+  for (const CellGroup& g : groups) {
+    const int count = static_cast<int>(g.requests.size());
+    const int64_t at = static_cast<int64_t>(call.members.size());
+    call.members.insert(call.members.end(), g.requests.begin(), g.requests.end());
+    for (int h = 0; h < a.H_kv; ++h) {
+      call.items.push_back({{g.requests[0], h, g.t0, g.t1, nullptr, count}, static_cast<int64_t>(call.slots.size())});
+      first_member.push_back(count > 1 ? at : -1);
+      for (int b : g.requests) {
+        call.slots.push_back({static_cast<int64_t>(b) * a.H_kv + h, used[b]});
+      }
+    }
+    for (int b : g.requests) {
+      ++used[b];
+    }
+  }
+  // The empty pairs' items come first, without members.
+  const size_t offset = call.items.size() - first_member.size();
+  for (size_t i = 0; i < first_member.size(); ++i) {
+    if (first_member[i] >= 0) {
+      call.items[offset + i].chunk.members = call.members.data() + first_member[i];
+    }
+  }
+}
+
+std::shared_ptr<Call> plan(const DecodeArgs& a) {
+  auto call = std::make_shared<Call>();
+  call->args = a;
+  call->fns = kernel_fns(a.dtype, a.D);
+  const int64_t pairs = static_cast<int64_t>(a.B) * a.H_kv;
+  call->parts_begin.resize(pairs + 1);
+  call->remaining = std::make_unique<std::atomic<int>[]>(pairs);
+  if (a.block_tables != nullptr) {
+    plan_paged(a, *call);
+  } else {
+    plan_dense(a, *call);
+  }
+  call->parts.resize(call->parts_begin[pairs] * PartialState::size(a.rows(), a.Dp));
   return call;
 }
 
@@ -146,6 +240,10 @@ void count_tile_blocks(uint64_t n) {
   g_tile_blocks.fetch_add(n, std::memory_order_relaxed);
 }
 
+uint64_t shared_items() {
+  return g_shared_items.load();
+}
+
 void run_decode(const DecodeArgs& args) {
   g_calls.fetch_add(1);
   auto call = plan(args);
@@ -157,7 +255,7 @@ void run_decode(const DecodeArgs& args) {
   // K/V elements read, times the rows that use each: the arithmetic grows with L.
   int64_t elements = 0;
   for (const Item& it : call->items) {
-    elements += static_cast<int64_t>(it.chunk.t1 - it.chunk.t0) * args.D * args.L;
+    elements += static_cast<int64_t>(it.chunk.t1 - it.chunk.t0) * args.D * args.L * it.chunk.count;
   }
   const int helpers = elements < kMinParallelElements
       ? 0

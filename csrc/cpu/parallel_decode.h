@@ -11,6 +11,8 @@ namespace mlx_batched_decode::cpu {
 // Work items are (request, KV head, chunk of at most kChunk keys) over the
 // keys some query row of the request attends, built from the actual lengths,
 // starts and window, so the work is proportional to the keys read, not B * T.
+// In the paged layout, requests whose tables hold the same pages over a chunk
+// share one item, which reads those pages once for all of them.
 void run_decode(const DecodeArgs& args);
 
 // Number of run_decode calls so far: lets tests prove the fused kernel ran.
@@ -20,6 +22,10 @@ uint64_t kernel_calls();
 // (once per work item): lets tests prove the tile path ran.
 uint64_t tile_blocks();
 void count_tile_blocks(uint64_t n);
+
+// Work items so far that read shared pages once for several requests (paged
+// layout): lets tests prove the shared path ran.
+uint64_t shared_items();
 
 // Threads that serve one call: the pool's plus the caller.
 int max_threads();
