@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 import mlx_batched_decode  # noqa: E402
+from mlx_batched_decode import _ext  # noqa: E402
 from mlx_batched_decode.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.paged_kv_cache import block_hashes  # noqa: E402
 from mlx_batched_decode.random_model import random_model  # noqa: E402
@@ -91,11 +92,15 @@ def test_greedy_matches_mlx_lm_with_shared_prefixes(
     decoder = BatchedDecoder(
         models[family], kv_layout="paged", block_size=block_size, prefix_sharing=sharing
     )
+    kernel_calls = _ext.cpu_kernel_calls()
     # At most 3 at once: requests join as others leave; budgets differ, so they leave mid-way.
     out = decoder.generate(PROMPTS, MAX_TOKENS, max_batch_size=3)
     assert out == references[family]
     layers = len(decoder.paged_cache.keys)
     assert spy.paged == decoder.stats.steps * layers and spy.dense == 0
+    if mx.default_device() == mx.cpu:
+        # The fused CPU kernel ran once per layer and step, not a fallback.
+        assert _ext.cpu_kernel_calls() - kernel_calls == spy.paged
     # One step's layers all read the same block tables and lengths, built once per step.
     for step in range(decoder.stats.steps):
         arrays = spy.tables[step * layers : (step + 1) * layers]
@@ -108,6 +113,22 @@ def test_greedy_matches_mlx_lm_with_shared_prefixes(
         assert hits >= 4 * block_size
     assert decoder.num_active == 0 and decoder.stats.blocks_in_use == 0
     assert decoder.paged_cache.allocator.reserved == 0
+
+
+@pytest.mark.parametrize("sharing", [True, False])
+def test_long_shared_prefix_is_read_once_per_step(models, sharing):
+    """Prompts sharing 1040 tokens: with sharing, the CPU kernel reads the shared blocks once
+    for all requests of a step (its cells are 512 keys); tokens stay mlx-lm's."""
+    model = models["llama"]
+    prefix, own = random_prompts([1040, 30], seed=9)
+    prompts = [prefix + own[i : i + 5] for i in range(0, 15, 5)]
+    expected = [mlx_lm_greedy(model, p, 4) for p in prompts]
+    decoder = BatchedDecoder(model, kv_layout="paged", prefix_sharing=sharing)
+    shared_items = _ext.cpu_shared_items()
+    assert decoder.generate(prompts, 4) == expected
+    assert decoder.stats.prefix_hit_tokens == (2 * 1040 if sharing else 0)
+    if mx.default_device() == mx.cpu:
+        assert (_ext.cpu_shared_items() > shared_items) == sharing
 
 
 def test_requests_join_and_leave_mid_decode_sharing_running_blocks(models, references):
