@@ -14,6 +14,8 @@ requests in three ways:
 All prompts are ``--prefix`` shared tokens followed by ``--own`` tokens of their own. The B
 requests are added at once (all prefilled, ``prefill s``), then decoded together for
 ``--max-tokens`` greedy tokens each (``tok/s`` = generated tokens / time of the decode steps).
+``shared items``: work items in which the CPU kernel read blocks shared by several requests once
+for all of them (its cells are 512 keys, so only a prefix of 512 tokens or more is read once).
 The runs alternate in order over ``--repeats`` rounds (default 1: on this machine one slot
 prefill of 16 x 1056 tokens takes minutes) and the table shows each path's median.
 Every path's greedy tokens must equal the slot path's, token for token.
@@ -44,11 +46,13 @@ PATHS = {
 
 
 def run(model, prompts, max_tokens, options):
-    """(tokens per request, prefill s, decode s, DecodeStats, peak blocks, cache bytes)."""
+    """(tokens per request, DecodeStats, peak blocks, cache bytes, shared-block work items of
+    the CPU kernel during decode)."""
     decoder = BatchedDecoder(model, **options)
     uids = [decoder.add_request(p, max_tokens) for p in prompts]
     tokens = {uid: [] for uid in uids}
     peak_blocks, cache_bytes = decoder.stats.blocks_in_use, 0
+    shared_items = _ext.cpu_shared_items()
     while decoder.num_active:
         result = decoder.step()
         for uid, emitted in result.tokens.items():
@@ -60,7 +64,8 @@ def run(model, prompts, max_tokens, options):
             cache_bytes = sum(c.nbytes for c in decoder.slot_caches)
     stats = decoder.stats
     assert stats.generated_tokens == len(prompts) * max_tokens
-    return [tokens[u] for u in uids], stats, peak_blocks, cache_bytes
+    shared_items = _ext.cpu_shared_items() - shared_items
+    return [tokens[u] for u in uids], stats, peak_blocks, cache_bytes, shared_items
 
 
 def main():
@@ -72,7 +77,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, help="tokens per request (default 32, quick 8)")
     parser.add_argument("--repeats", type=int, help="rounds over the paths (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
-    parser.add_argument("--output", default="paged_decode", help="results/<name>.json")
+    parser.add_argument("--output", help="results/<name>.json (default paged_decode, quick paged_decode_quick)")
     args = parser.parse_args()
 
     mx.set_default_device(mx.cpu)
@@ -103,9 +108,9 @@ def main():
     for round_ in range(repeats):
         order = list(paths) if round_ % 2 == 0 else list(paths)[::-1]
         for name in order:
-            out, stats, peak, nbytes = run(model, prompts, max_tokens, paths[name])
+            out, stats, peak, nbytes, shared = run(model, prompts, max_tokens, paths[name])
             tokens[name] = out
-            samples[name].append((stats, peak, nbytes))
+            samples[name].append((stats, peak, nbytes, shared))
             print(
                 f"round {round_ + 1} {name}: prefill {stats.prefill_seconds:.2f} s, "
                 f"{stats.decode_tokens_per_second:.1f} tok/s",
@@ -114,17 +119,18 @@ def main():
 
     rows = []
     for name, runs in samples.items():
-        stats, peak, nbytes = runs[-1]
+        stats, peak, nbytes, shared = runs[-1]
         rows.append(
             {
                 "path": name,
-                "prefill_s": float(np.median([s.prefill_seconds for s, _, _ in runs])),
+                "prefill_s": float(np.median([s.prefill_seconds for s, *_ in runs])),
                 "prefilled": stats.prompt_tokens - stats.prefix_hit_tokens,
                 "prefix_hits": stats.prefix_hit_tokens,
-                "decode_s": float(np.median([s.decode_seconds for s, _, _ in runs])),
-                "tok_s": float(np.median([s.decode_tokens_per_second for s, _, _ in runs])),
+                "decode_s": float(np.median([s.decode_seconds for s, *_ in runs])),
+                "tok_s": float(np.median([s.decode_tokens_per_second for s, *_ in runs])),
                 "peak_blocks": peak if name != "slot" else None,
                 "cache_mib": nbytes / 2**20,
+                "shared_items": shared,
                 "same_as_slot": tokens[name] == tokens["slot"],
             }
         )
@@ -140,11 +146,12 @@ def main():
             ("prefix_hits", "prefix hits", "{}"), ("prefill_s", "prefill s", "{:.2f}"),
             ("prefill_speedup", "prefill x", "{:.2f}"), ("tok_s", "tok/s", "{:.1f}"),
             ("decode_speedup", "decode x", "{:.2f}"), ("peak_blocks", "blocks", "{}"),
-            ("cache_mib", "cache MiB", "{:.1f}"), ("same_as_slot", "= slot", "{}"),
+            ("cache_mib", "cache MiB", "{:.1f}"), ("shared_items", "shared items", "{}"),
+            ("same_as_slot", "= slot", "{}"),
         ],
     )
     path = save(
-        args.output,
+        args.output or ("paged_decode_quick" if args.quick else "paged_decode"),
         {
             "machine": info, "config": CONFIG, "dtype": "float32", "batch": args.batch,
             "prefix": prefix_len, "own": own_len, "max_tokens": max_tokens, "repeats": repeats,
