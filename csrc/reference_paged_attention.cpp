@@ -22,7 +22,8 @@ mx::array reference_paged_attention(
   // [B, MB]: entries outside the pool read block 0 and are masked below.
   auto in_pool = mx::logical_and(
       mx::greater_equal(block_tables, mx::array(0), s), mx::less(block_tables, mx::array(d.num_blocks), s), s);
-  auto blocks = mx::where(in_pool, block_tables, mx::array(0), s);
+  // The table is an index, not a value: no gradient flows into it.
+  auto blocks = mx::stop_gradient(mx::where(in_pool, block_tables, mx::array(0), s), s);
   auto dense = [&](const mx::array& pages) {
     auto rows = mx::take(pages, mx::flatten(blocks, s), 0, s); // [B * MB, BS, H_kv, D]
     return mx::transpose(mx::reshape(rows, {d.B, d.T, d.H_kv, d.D}, s), {0, 2, 1, 3}, s);

@@ -130,7 +130,7 @@ def test_launcher_uses_the_plan():
     assert source.count("make_launch_plan(shape)") == 2 and "make_params(" in source
     assert "{&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS}" in source
     assert "{&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}" in source
-    assert "vector_loads(shape, provisional, strides, offsets)" in source
+    assert "vector_loads(shape, provisional, strides, offsets, paged)" in source
     assert "effective_window(window_, T)" in source
     for index in ("kQueries", "kKeys", "kValues", "kValidLens", "kKvStarts", "kSinks", "kOut", "kPartialAcc",
                   "kPartialMax", "kPartialSum", "kParams"):

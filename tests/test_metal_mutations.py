@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness package 
 from metal_emu.build import CACHE, build_library  # noqa: E402
 from metal_emu.cases import make_case  # noqa: E402
 from metal_emu.driver import EmulatedLibrary, HarnessError  # noqa: E402
-from metal_emu.mutants import MUTATIONS, SANITIZER_ONLY, mutant_source  # noqa: E402
+from metal_emu.mutants import MUTATIONS, PAGED_ONLY, SANITIZER_ONLY, mutant_source  # noqa: E402
 from metal_emu.reference import TOLERANCE, to_float64  # noqa: E402
 from metal_emu.sources import HEADER  # noqa: E402
 
@@ -102,7 +102,7 @@ def test_unmutated_kernel_passes_the_same_cases():
         assert np.isnan(cases(lib)[name].reference()[0]).all()
 
 
-@pytest.mark.parametrize("name", sorted(set(MUTATIONS) - SANITIZER_ONLY))
+@pytest.mark.parametrize("name", sorted(set(MUTATIONS) - SANITIZER_ONLY - PAGED_ONLY))
 def test_mutant_fails_the_harness(name):
     lib = EmulatedLibrary(build_library(mutant_source(name, [KERNEL])))
     verdicts = {case: verdict(lib, c) for case, c in cases(lib).items()}

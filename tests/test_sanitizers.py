@@ -27,6 +27,8 @@ KERNEL_TESTS = [
     "tests/test_errors.py",
     "tests/test_adversarial.py",
     "tests/test_concurrency.py",
+    "tests/test_paged_decode.py",
+    "tests/test_paged_adversarial.py",
 ]
 
 

@@ -68,6 +68,7 @@ struct Scratch {
   std::vector<uint32_t> masks;
   std::vector<KeyRange> ranges;
   std::vector<T> block;
+  int64_t k_ahead[kBlock], v_ahead[kBlock]; // a paged source's successor offsets (Lookahead)
 
   void reserve(int R, int L, int Dp) {
     grow(q, static_cast<size_t>(R) * Dp);
@@ -104,15 +105,18 @@ bool gathered(const int64_t* stride) {
 // whose table entry lies outside the pool, whose rows point at zeros in block
 // instead. Rows are read in place when the last axis is contiguous, else
 // gathered into block, the D elements of a row zero-padded to Dp. Gathered
-// and paged rows have no fixed successor for the vector loops to request, so
-// the rows one block on, below end, are requested here. Rows n to the next
-// multiple of 4 repeat row n - 1, so the scoring can run on whole groups of
-// four; their scores are never read.
+// and paged rows have no fixed successor offset: given `next`, the rows of a
+// paged source one block on, below end, get one each (next->offsets, in
+// ahead [kBlock]) for the vector loops to request; otherwise they are
+// requested here, at once. Rows n to the next multiple of 4 repeat row n - 1,
+// so the scoring can run on whole groups of four; their scores are never read.
 template <typename T, int D>
-uint32_t load_block(const DecodeArgs& a, const RowSource<T>& src, int t, int n, int end, T* block, const T** rows) {
+uint32_t load_block(const DecodeArgs& a, const RowSource<T>& src, int t, int n, int end, T* block, const T** rows,
+                    Lookahead* next = nullptr, int64_t* ahead = nullptr) {
   const int Dp = D ? D : a.Dp;
   const int64_t* stride = src.stride;
-  if (gathered<D>(stride) || src.paged()) {
+  const bool offsets = next != nullptr && src.paged() && !gathered<D>(stride);
+  if ((gathered<D>(stride) || src.paged()) && !offsets) {
     src.prefetch(t + kBlock, std::min(n, end - t - kBlock), a.D);
   }
   uint32_t valid = 0;
@@ -140,6 +144,14 @@ uint32_t load_block(const DecodeArgs& a, const RowSource<T>& src, int t, int n, 
   });
   for (int j = n; j % 4 != 0; ++j) {
     rows[j] = rows[n - 1];
+  }
+  if (offsets) {
+    const int m = std::max(0, std::min(n, end - t - kBlock));
+    // Rows with no key, or no successor key, request their own row again: harmless.
+    src.for_rows(t + kBlock, m, [&](int j, const T* successor) {
+      ahead[j] = successor != nullptr && (valid >> j & 1u) ? successor - rows[j] : 0;
+    });
+    *next = {0, m, ahead};
   }
   return valid;
 }
@@ -414,8 +426,9 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     const int n = std::min(kBlock, t1 - t);
     // The next rows are requested from memory while this block is computed:
     // hardware prefetchers stop at each 4 KiB page.
-    const Lookahead k_next = successor_rows<D>(a, a.k_stride, c, t, n, next);
-    const Lookahead v_next = successor_rows<D>(a, a.v_stride, c, t, n, next);
+    // Paged sources give their successors when their rows are loaded (load_block).
+    Lookahead k_next = successor_rows<D>(a, a.k_stride, c, t, n, next);
+    Lookahead v_next = successor_rows<D>(a, a.v_stride, c, t, n, next);
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if constexpr (kAmx<T>) {
@@ -433,9 +446,9 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     }
     // Each key row is read once and scored against all R query rows, two at a
     // time (four with the bfloat16 dot product).
-    const uint32_t valid = load_block<T, D>(a, ks, t, n, t1, block, rows);
+    const uint32_t valid = load_block<T, D>(a, ks, t, n, t1, block, rows, &k_next, s.k_ahead);
     for (int j = 0; j < n; j += 4) {
-      const Lookahead ahead{k_next.offset, k_next.rows - j};
+      const Lookahead ahead{k_next.offset, k_next.rows - j, k_next.offsets ? k_next.offsets + j : nullptr};
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
       if constexpr (kBf16Dot<T>) {
         for_row_tiles<4>(R, [&]<int H>(int r) {
@@ -475,7 +488,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     }
 
     // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.
-    load_block<T, D>(a, vs, t, n, t1, block, rows);
+    load_block<T, D>(a, vs, t, n, t1, block, rows, &v_next, s.v_ahead);
     if (masked) {
       for_row_tiles<4>(R, [&]<int H>(int r) {
         accumulate_rows<D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, masks + r);

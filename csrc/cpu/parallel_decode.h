@@ -30,4 +30,9 @@ uint64_t shared_items();
 // Threads that serve one call: the pool's plus the caller.
 int max_threads();
 
+// The pool of max_threads() - 1 workers that serves every call (and the
+// bandwidth probe, so that it reads on the kernel's threads).
+class WorkerPool;
+WorkerPool& shared_pool();
+
 } // namespace mlx_batched_decode::cpu

@@ -28,12 +28,14 @@ inline void sum8x4(const f32x8* v, float* out) {
 }
 
 // The rows to request from memory while a tile runs: row j of the tile has a
-// successor `offset` elements further on for j < rows. The requests are
+// successor `offset` elements further on (offsets[j] when offsets is set: a
+// paged source's next rows lie on other pages) for j < rows. The requests are
 // spread over the tile's loop, one cache line per chunk, because a burst of
 // them stalls on the core's few miss buffers.
 struct Lookahead {
   int64_t offset = 0;
   int rows = 0;
+  const int64_t* offsets = nullptr;
 };
 
 // Requests, into L2, the line of row j's successor that holds element i, once
@@ -41,7 +43,7 @@ struct Lookahead {
 template <typename T>
 inline void prefetch_successor(const T* row, int i, int j, Lookahead ahead) {
   if (j < ahead.rows && (i * sizeof(T)) % 64 == 0) {
-    __builtin_prefetch(row + ahead.offset + i, 0, 1);
+    __builtin_prefetch(row + (ahead.offsets ? ahead.offsets[j] : ahead.offset) + i, 0, 1);
   }
 }
 

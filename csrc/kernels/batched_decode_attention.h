@@ -141,8 +141,55 @@ inline BdaRange bda_row_keys(int len, int start, int num_rows, int i, int window
   return BdaRange{max(start, pos - window + 1), pos + 1};
 }
 
+// The row source: where position t of request b lives in the keys and the
+// values, as offsets in elements from their head (which the caller applies).
+// Dense: [B, H_kv, T, D] views. Paged: pools addressed by block_tables
+// (BatchedDecodeParams); a position whose page lies outside the pool holds no
+// key (valid is false) and is never read.
+struct BdaRow {
+  bool valid;
+  int64_t k;
+  int64_t v;
+};
+
+inline BdaRow bda_row(const device int* block_tables, const constant BatchedDecodeParams& p, int b, int t) {
+  if (p.block_size == 0) {
+    return BdaRow{true, int64_t(b) * p.k_batch_stride + int64_t(t) * p.k_seq_stride,
+                  int64_t(b) * p.v_batch_stride + int64_t(t) * p.v_seq_stride};
+  }
+  const int page = block_tables[b * p.table_batch_stride + (t / p.block_size) * p.table_page_stride];
+  if (page < 0 || page >= p.num_blocks) {
+    return BdaRow{false, 0, 0};
+  }
+  const int row = t % p.block_size;
+  return BdaRow{true, int64_t(page) * p.k_batch_stride + int64_t(row) * p.k_seq_stride,
+                int64_t(page) * p.v_batch_stride + int64_t(row) * p.v_seq_stride};
+}
+
+// Whether keys [lo, hi) of request b hold a key: always, unless paged and every
+// page of the range lies outside the pool. Read only for a row whose softmax
+// saw no finite score, so its cost is off the usual path.
+inline bool bda_holds_key(const device int* block_tables, const constant BatchedDecodeParams& p, int b, int lo,
+                          int hi) {
+  if (lo >= hi) {
+    return false;
+  }
+  if (p.block_size == 0) {
+    return true;
+  }
+  for (int page = lo / p.block_size; page <= (hi - 1) / p.block_size; ++page) {
+    const int entry = block_tables[b * p.table_batch_stride + page * p.table_page_stride];
+    if (entry >= 0 && entry < p.num_blocks) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // queries [B, H_q, L, D], keys and values [B, H_kv, T, D] (strided views),
 // valid_lens and kv_starts int32 [B], sinks float32 [H_q] (all strided),
+// or, paged (p.block_size > 0), pools [NB, BS, H_kv, D] with block_tables
+// int32 [B, MB] bound as kv_starts (see BatchedDecodeParams),
 // out [B, H_q, L, D] contiguous; split-K partials float32 [B, H_q, L, splits]
 // (max, sum) and [B, H_q, L, splits, D] (acc). Head dim D: the exact one of a
 // fast kernel, the largest a generic kernel takes (its own is p.head_dim).
@@ -233,9 +280,14 @@ template <typename T, int D, bool GENERIC>
   const int begin = keys_lo + offset;
   const int end = begin + min(p.split_len, num_keys - offset);
 
-  const device T* kbase = keys + b * p.k_batch_stride + kv_head * p.k_head_stride;
-  const device T* vbase = values + b * p.v_batch_stride + kv_head * p.v_head_stride;
+  const device T* kbase = keys + kv_head * p.k_head_stride;
+  const device T* vbase = values + kv_head * p.v_head_stride;
   for (int t = begin + int(sg); t < end; t += int(num_sg)) {
+    // Uniform across the simdgroup (one t per simdgroup): skipping keeps simd_sum whole.
+    const BdaRow row = bda_row(kv_starts, p, b, t);
+    if (!row.valid) {
+      continue;
+    }
     floatv k[C];
     floatv v[C];
     for (int c = 0; c < C; ++c) {
@@ -243,8 +295,8 @@ template <typename T, int D, bool GENERIC>
       k[c] = floatv(0.0f);
       v[c] = floatv(0.0f);
       if (vi < nv) {
-        k[c] = bda_load<T, V>::row(kbase + t * p.k_seq_stride + vi * V, vectors);
-        v[c] = bda_load<T, V>::row(vbase + t * p.v_seq_stride + vi * V, vectors);
+        k[c] = bda_load<T, V>::row(kbase + row.k + vi * V, vectors);
+        v[c] = bda_load<T, V>::row(vbase + row.v + vi * V, vectors);
       }
     }
     for (int r = 0; r < RB; ++r) {
@@ -306,7 +358,8 @@ template <typename T, int D, bool GENERIC>
       const int64_t out_row = (int64_t(b) * p.num_q_heads + row_head[r]) * p.num_rows + row_i[r];
       const float sink = p.has_sinks ? sinks[row_head[r] * p.sinks_stride] : -bda_inf;
       const float norm = bda_normalizer(m_max, sum, sink);
-      const bool has_keys = row_lo[r] < row_hi[r];
+      const bool has_keys = row_lo[r] < row_hi[r] &&
+          (m_max != -bda_inf || bda_holds_key(kv_starts, p, b, row_lo[r], row_hi[r]));
       for (uint d = tid; d < uint(dim); d += num_sg * MBD_SIMD_WIDTH) {
         float a = 0.0f;
         for (uint s = 0; s < num_sg; ++s) {
@@ -368,6 +421,7 @@ template <typename T, int D, bool GENERIC>
     for (int s = 0; s < p.num_splits; ++s) {
       a += partial_acc[(out_row * p.num_splits + s) * dim + d] * bda_weight(maxes[s], m_max);
     }
-    out[out_row * dim + d] = range.lo < range.hi ? T(a * norm) : T(0.0f);
+    const bool has_keys = m_max != -bda_inf || bda_holds_key(kv_starts, p, b, range.lo, range.hi);
+    out[out_row * dim + d] = range.lo < range.hi && has_keys ? T(a * norm) : T(0.0f);
   }
 }

@@ -45,6 +45,15 @@ struct BatchedDecodeParams {
   int has_kv_starts; // 0: every request starts at key 0, kv_starts is not read
   int has_sinks;     // 0: no sink logit, sinks is not read
   float scale;
+  // Paged layout (block_size > 0): keys and values are pools [NB, BS, H_kv, D],
+  // k/v_batch_stride step pages and k/v_seq_stride rows of a page, and buffer
+  // kv_starts holds block_tables int32 [B, MB] (has_kv_starts is 0). Position
+  // t of request b is row t % BS of page block_tables[b, t / BS]; a page
+  // outside [0, NB) holds no key and is never read.
+  int block_size;          // BS; 0: the dense layout
+  int num_blocks;          // NB
+  int64_t table_batch_stride;
+  int64_t table_page_stride;
 };
 
 } // namespace mlx_batched_decode

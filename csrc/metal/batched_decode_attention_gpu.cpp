@@ -14,14 +14,13 @@
 #include "../batched_decode_attention.h"
 #include "../metal_backend.h"
 #include "../metal_source.h"
+#include "decode_launch.h"
 #include "kernel_library.h"
 #include "launch_plan.h"
 
 namespace mx = mlx::core;
 
 namespace mlx_batched_decode {
-namespace {
-
 KernelDtype kernel_dtype(mx::Dtype dtype) {
   if (dtype == mx::float16) {
     return KernelDtype::float16;
@@ -40,6 +39,8 @@ void check_last_axis(const mx::array& a, const char* name) {
     throw std::invalid_argument(std::string("[batched_decode_attention] ") + name + ": last axis must be contiguous");
   }
 }
+
+namespace {
 
 // The kernels of (dtype, D): from the prebuilt metallib, or from the embedded
 // source, compiled once per process at the first call of this dtype and head
@@ -95,9 +96,6 @@ void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::
     out.set_data(mx::allocator::malloc(0));
     return;
   }
-  const mx::Stream& s = stream();
-  mx::metal::Device& d = mx::metal::device(s.device);
-
   check_last_axis(queries, "queries");
   check_last_axis(keys, "keys");
   check_last_axis(values, "values");
@@ -113,10 +111,31 @@ void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::
   // Metal buffers start at least 16-byte aligned, so the views' byte offsets decide the vector loads.
   const InputOffsets offsets{queries.offset(), keys.offset(), values.offset()};
 
+  launch_decode_attention(stream(), name(), shape, strides, offsets, PagedLayout{}, scale_,
+                          {queries, keys, values, valid_lens, kv_starts, sinks}, out);
+}
+
+void launch_decode_attention(
+    const mx::Stream& s,
+    const char* primitive,
+    LaunchShape shape,
+    const InputStrides& strides,
+    const InputOffsets& offsets,
+    const PagedLayout& paged,
+    float scale,
+    const DecodeBuffers& in,
+    mx::array& out) {
+  mx::metal::Device& d = mx::metal::device(s.device);
+  const mx::array& queries = in.queries;
+  const mx::array& keys = in.keys;
+  const mx::array& values = in.values;
+  const mx::array& valid_lens = in.valid_lens;
+  const mx::array& kv_starts = in.kv_starts;
+  const mx::array& sinks = in.sinks;
   // Names and function constants don't depend on the thread limit, which comes from the pipeline.
   const LaunchPlan provisional = make_launch_plan(shape);
   int rows = provisional.rows_per_group;
-  bool vectors = vector_loads(shape, provisional, strides, offsets);
+  bool vectors = vector_loads(shape, provisional, strides, offsets, paged);
   MTL::Library* library = kernel_library(d, shape.dtype, shape.head_dim);
   const mx::metal::MTLFCList constants = {
       {&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS},
@@ -133,7 +152,7 @@ void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::
   if (split) {
     mx::check_kernel_threadgroup_size(reduce, to_mtl(plan.reduce_group), plan.reduce_kernel);
   }
-  const BatchedDecodeParams params = make_params(shape, plan, strides, scale_);
+  const BatchedDecodeParams params = make_params(shape, plan, strides, scale, paged);
 
   out.set_data(mx::allocator::malloc(out.nbytes()));
 
@@ -141,7 +160,7 @@ void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::
   // Captures show the kernel names; the command buffer label adds the primitive.
   if (MTL::CommandBuffer* buffer = encoder.get_command_buffer()) {
     std::string label = buffer->label() ? buffer->label()->utf8String() : "";
-    label += label.empty() ? name() : std::string(" ") + name();
+    label += label.empty() ? std::string(primitive) : std::string(" ") + primitive;
     buffer->setLabel(NS::String::string(label.c_str(), NS::UTF8StringEncoding));
   }
 

@@ -215,11 +215,30 @@ struct InputStrides {
   int64_t sinks;
 };
 
+/**
+ * The paged layout (paged_decode_attention): keys and values are pools
+ * [NB, BS, H_kv, D] whose InputStrides k/v_batch step pages and k/v_seq rows
+ * of a page, and block_tables int32 [B, MB] is bound in place of kv_starts.
+ * T = MB * BS. block_size 0: the dense layout.
+ */
+struct PagedLayout {
+  int block_size = 0;
+  int num_blocks = 0;
+  int64_t table_batch = 0, table_page = 0;
+};
+
 /** `strides` with those of size-1 axes (never stepped along) and of absent options set to 0. */
-inline InputStrides effective_strides(const LaunchShape& s, const InputStrides& strides) {
+inline InputStrides effective_strides(const LaunchShape& s, const InputStrides& strides, const PagedLayout& paged = {}) {
   InputStrides st = strides;
   if (s.batch == 1) {
-    st.q_batch = st.k_batch = st.v_batch = st.lens = st.starts = 0;
+    st.q_batch = st.lens = st.starts = 0;
+    // Pages are not requests: a paged pool steps pages whatever B is.
+    if (paged.block_size == 0) {
+      st.k_batch = st.v_batch = 0;
+    }
+  }
+  if (paged.block_size > 0 && paged.num_blocks == 1) {
+    st.k_batch = st.v_batch = 0;
   }
   if (s.num_q_heads == 1) {
     st.q_head = st.sinks = 0;
@@ -259,8 +278,8 @@ inline int dtype_size(KernelDtype dtype) {
  * at an odd column, a row stride of D + 1) take one scalar load per element.
  */
 inline bool vector_loads(const LaunchShape& s, const LaunchPlan& plan, const InputStrides& strides,
-                         const InputOffsets& offsets) {
-  const InputStrides st = effective_strides(s, strides);
+                         const InputOffsets& offsets, const PagedLayout& paged = {}) {
+  const InputStrides st = effective_strides(s, strides, paged);
   const int64_t elements[] = {st.q_batch, st.q_head, st.q_row,  st.k_batch, st.k_head,
                               st.k_seq,   st.v_batch, st.v_head, st.v_seq};
   const int64_t bytes[] = {offsets.q, offsets.k, offsets.v};
@@ -275,8 +294,9 @@ inline BatchedDecodeParams make_params(
     const LaunchShape& s,
     const LaunchPlan& plan,
     const InputStrides& strides,
-    float scale) {
-  const InputStrides st = effective_strides(s, strides);
+    float scale,
+    const PagedLayout& paged = {}) {
+  const InputStrides st = effective_strides(s, strides, paged);
   BatchedDecodeParams p{};
   p.q_batch_stride = st.q_batch;
   p.q_head_stride = st.q_head;
@@ -302,6 +322,10 @@ inline BatchedDecodeParams make_params(
   p.has_kv_starts = s.has_kv_starts ? 1 : 0;
   p.has_sinks = s.has_sinks ? 1 : 0;
   p.scale = scale;
+  p.block_size = paged.block_size;
+  p.num_blocks = paged.num_blocks;
+  p.table_batch_stride = paged.table_batch;
+  p.table_page_stride = paged.table_page;
   return p;
 }
 

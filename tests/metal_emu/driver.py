@@ -96,7 +96,7 @@ class EmulatedLibrary:
         self._lib.mbd_emu_attention.argtypes = [
             ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(ctypes.c_longlong * 12), *[ctypes.c_void_p] * 6,
             ctypes.POINTER(ctypes.c_ulonglong * 6), ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_char_p,
-            ctypes.c_int]
+            ctypes.c_int, ctypes.c_void_p]
         self._lib.mbd_emu_last_launch.argtypes = [ctypes.POINTER(Launch)]
         self._lib.mbd_emu_library_name.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p]
         self._lib.mbd_emu_library_source.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p,
@@ -187,10 +187,45 @@ class EmulatedLibrary:
             self._shape(b, h_q, h_kv, rows, t, d, effective_window(window, t), dtype, max_threads,
                         kv_starts is not None, sinks is not None),
             (ctypes.c_longlong * 12)(*(s // itemsize for s in strides), valid_lens.strides[0] // 4, *option_strides),
-            *addresses, spans, out.ctypes.data, scale, BACKENDS[backend], error, 4096)
+            *addresses, spans, out.ctypes.data, scale, BACKENDS[backend], error, 4096, None)
         if unreadable is not None:
             for buffer, _, _ in copies[1:3]:
                 self._lib.mbd_emu_poison(buffer.ctypes.data, buffer.nbytes, 0)
+        if status:
+            raise HarnessError(error.value.decode())
+        return out
+
+    def paged_attention(self, queries: np.ndarray, key_pages: np.ndarray, value_pages: np.ndarray,
+                        block_tables: np.ndarray, valid_lens: np.ndarray, dtype: str, scale: float, *,
+                        window: int | None = None, sinks: np.ndarray | None = None, max_threads: int = 1024,
+                        nan_margins: bool = True) -> np.ndarray:
+        """Runs the emulated kernels on paged caches, as eval_gpu of PagedDecodeAttention binds
+        them: pools [NB, BS, H_kv, D] (any strides, last axis contiguous), block_tables int32
+        [B, MB] in the place of kv_starts; returns [B, H_q, L, D] in the storage dtype."""
+        b, h_q, rows, d = queries.shape
+        nb, bs, h_kv = key_pages.shape[:3]
+        t = block_tables.shape[1] * bs
+        for name, array in (("queries", queries), ("key_pages", key_pages), ("value_pages", value_pages)):
+            if array.dtype != STORAGE[dtype] or array.strides[-1] != array.itemsize:
+                raise ValueError(f"{name}: expected {STORAGE[dtype].__name__} with a contiguous last axis")
+        if block_tables.dtype != np.int32 or valid_lens.dtype != np.int32:
+            raise ValueError("block_tables and valid_lens must be int32")
+        itemsize = queries.itemsize
+        strides = [*queries.strides[:3], key_pages.strides[0], key_pages.strides[2], key_pages.strides[1],
+                   value_pages.strides[0], value_pages.strides[2], value_pages.strides[1]]
+        copies = [None if a is None else _device_copy(a, nan_margins)
+                  for a in (queries, key_pages, value_pages, valid_lens, block_tables, sinks)]
+        addresses = [None if c is None else c[1] for c in copies]
+        spans = (ctypes.c_ulonglong * 6)(*(0 if c is None else c[2] for c in copies))
+        out = np.full((b, h_q, rows, d), 0xFFFF if dtype == "bfloat16" else np.nan, dtype=STORAGE[dtype])
+        error = ctypes.create_string_buffer(4096)
+        paged = (ctypes.c_longlong * 4)(bs, nb, block_tables.strides[0] // 4, block_tables.strides[1] // 4)
+        status = self._lib.mbd_emu_attention(
+            self._shape(b, h_q, h_kv, rows, t, d, effective_window(window, t), dtype, max_threads, False,
+                        sinks is not None),
+            (ctypes.c_longlong * 12)(*(s // itemsize for s in strides), valid_lens.strides[0] // 4, 0,
+                                     0 if sinks is None else sinks.strides[0] // 4),
+            *addresses, spans, out.ctypes.data, scale, BACKENDS["fibers"], error, 4096, paged)
         if status:
             raise HarnessError(error.value.decode())
         return out

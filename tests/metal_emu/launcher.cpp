@@ -115,11 +115,15 @@ int mbd_emu_plan(const int shape[11], MbdPlan* out, char* error, int error_len) 
  * input_bytes: the bytes of queries, keys, values, valid_lens, kv_starts and
  * sinks from their first element (for the load counts); out is a contiguous
  * [B, H_q, L, D] buffer of the queries' dtype. backend: 0 fibers, 1 threads.
+ * paged: null for the dense layout, else {block_size, num_blocks, table batch
+ * stride, table page stride} of a paged call (PagedLayout), whose keys and
+ * values are pools (strides {page, head, row}) and whose kv_starts is
+ * block_tables int32 [B, MB], as eval_gpu of PagedDecodeAttention binds them.
  */
 int mbd_emu_attention(const int shape[11], const long long strides[12], const void* queries,
                       const void* keys, const void* values, const int* valid_lens, const int* kv_starts,
                       const float* sinks, const unsigned long long input_bytes[6], void* out, float scale,
-                      int backend, char* error, int error_len) {
+                      int backend, char* error, int error_len, const long long* paged) {
   try {
     std::memset(&last_launch, 0, sizeof(last_launch));
     const LaunchShape s = to_shape(shape);
@@ -129,12 +133,16 @@ int mbd_emu_attention(const int shape[11], const long long strides[12], const vo
     const LaunchPlan plan = make_launch_plan(s);
     const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
                           strides[6], strides[7], strides[8], strides[9], strides[10], strides[11]};
-    BatchedDecodeParams params = make_params(s, plan, st, scale);
+    PagedLayout layout;
+    if (paged != nullptr) {
+      layout = PagedLayout{int(paged[0]), int(paged[1]), paged[2], paged[3]};
+    }
+    BatchedDecodeParams params = make_params(s, plan, st, scale, layout);
     // Addresses are offsets from address 0, as aligned as the start of a Metal buffer.
     const InputOffsets offsets{int64_t(reinterpret_cast<std::uintptr_t>(queries)),
                                int64_t(reinterpret_cast<std::uintptr_t>(keys)),
                                int64_t(reinterpret_cast<std::uintptr_t>(values))};
-    const bool vectors = vector_loads(s, plan, st, offsets);
+    const bool vectors = vector_loads(s, plan, st, offsets, layout);
     last_launch.vector_loads = vectors;
 
     // NaN-filled partials: a split that wrote nothing shows up in the result.
@@ -149,7 +157,7 @@ int mbd_emu_attention(const int shape[11], const long long strides[12], const vo
     buffers[kValues] = const_cast<void*>(values);
     buffers[kValidLens] = const_cast<int*>(valid_lens);
     // As eval_gpu: an absent option is bound to valid_lens, and the params say it is absent.
-    buffers[kKvStarts] = s.has_kv_starts ? const_cast<int*>(kv_starts) : const_cast<int*>(valid_lens);
+    buffers[kKvStarts] = s.has_kv_starts || paged ? const_cast<int*>(kv_starts) : const_cast<int*>(valid_lens);
     buffers[kSinks] = s.has_sinks ? static_cast<void*>(const_cast<float*>(sinks)) : const_cast<int*>(valid_lens);
     buffers[kOut] = out;
     // Single pass never touches the partials; Metal still wants every argument bound.

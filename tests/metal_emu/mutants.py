@@ -61,8 +61,23 @@ MUTATIONS = {
         "  if (m == -bda_inf) {\n    return 0.0f;\n  }\n  const float m_all = max(m, sink);\n",
     ),
     "row_without_keys_not_zeroed": (
-        "const bool has_keys = row_lo[r] < row_hi[r];",
-        "const bool has_keys = true;",
+        "const bool has_keys = row_lo[r] < row_hi[r] &&",
+        "const bool has_keys = true ||",
+    ),
+    # Paged row source (tests/test_metal_paged_mutations.py): a table entry outside the
+    # pool, inside the length, is dereferenced.
+    "paged_entry_above_pool_read": (
+        "if (page < 0 || page >= p.num_blocks) {",
+        "if (page < 0) {",
+    ),
+    "paged_out_of_pool_row_read": (
+        "    if (!row.valid) {\n      continue;\n    }\n",
+        "",
+    ),
+    # A row whose pages all lie outside the pool is 0/0 instead of zeros.
+    "paged_row_without_keys_not_zeroed": (
+        "(m_max != -bda_inf || bda_holds_key(kv_starts, p, b, row_lo[r], row_hi[r]));",
+        "true;",
     ),
     # Vector loads whatever the views' alignment (UBSan reports them, see test_metal_sanitizers).
     "vector_loads_whatever_the_alignment": (
@@ -71,6 +86,9 @@ MUTATIONS = {
     ),
 }
 
+
+# Mutations of the paged row source, run on paged cases (tests/test_metal_paged_mutations.py).
+PAGED_ONLY = {"paged_entry_above_pool_read", "paged_out_of_pool_row_read", "paged_row_without_keys_not_zeroed"}
 
 # Caught by the AddressSanitizer + UBSan build only (tests/test_metal_sanitizers.py):
 # on x86 a misaligned vector load reads the right bytes.

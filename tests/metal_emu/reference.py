@@ -64,3 +64,37 @@ def reference_attention(queries, keys, values, valid_lens, scale, kv_starts=None
                     total = weights.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
                     out[n, h, i] = weights @ values[n, kv, lo:hi] / total
     return out
+
+
+def paged_reference_attention(queries, key_pages, value_pages, block_tables, valid_lens, scale, window=None,
+                              sinks=None):
+    """float64 attention over paged caches, one query row at a time.
+
+    key_pages/value_pages [NB, BS, H_kv, D] (float64), block_tables [B, MB] (ints),
+    valid_lens [B] (clamped to [0, MB * BS]). Position j of request b is row j % BS of
+    block block_tables[b, j // BS]; a position whose block lies outside [0, NB) holds no
+    key. Otherwise as ``reference_attention``: a row with no key gets zeros.
+    """
+    b, h_q, rows, d = queries.shape
+    nb, bs, h_kv = key_pages.shape[:3]
+    t = block_tables.shape[1] * bs
+    out = np.zeros((b, h_q, rows, d))
+    for n in range(b):
+        length = int(np.clip(valid_lens[n], 0, t))
+        for i in range(rows):
+            lo, hi = row_range(length, 0, rows, i, window)
+            blocks = [int(block_tables[n, p // bs]) for p in range(lo, hi)]
+            kept = [(blk, p % bs) for blk, p in zip(blocks, range(lo, hi)) if 0 <= blk < nb]
+            if not kept:
+                continue
+            blk, off = np.array(kept).T
+            for h in range(h_q):
+                kv = h // (h_q // h_kv)
+                keys, values = key_pages[blk, off, kv], value_pages[blk, off, kv]
+                scores = keys @ queries[n, h, i] * scale
+                m = scores.max() if sinks is None else max(scores.max(), float(sinks[h]))
+                with np.errstate(invalid="ignore"):
+                    weights = np.exp(scores - m)
+                    total = weights.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+                    out[n, h, i] = weights @ values / total
+    return out

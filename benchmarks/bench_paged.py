@@ -1,0 +1,178 @@
+"""Paged kernel benchmark: paged_decode_attention against its peers on the same lengths.
+
+(a) No sharing: B = 8 requests of 512-2048 tokens (as bench_kernel's uniform batch),
+    Llama-3-8B heads (H_q 32, H_kv 8, D 128), float16. The dense op on [B, H_kv, T, D] caches
+    against the paged op on a pool of block size 16 whose blocks are handed out in a shuffled
+    order (as an allocator after some churn). Target: paged >= 90% of the dense GB/s. Two pools:
+    a contiguous [NB, BS, H_kv, D] array (one head's rows of a block lie H_kv * D elements
+    apart), and a view of a head-major [NB, H_kv, BS, D] buffer (the same shape, read in place,
+    one head's rows of a block together).
+(b) Shared prefix: 16 requests with a common 4,096-token prefix and 128 tokens of their own.
+    The paged op with the prefix's blocks shared (the CPU kernel reads them once per step)
+    against the same batch with a private copy of the prefix per request. Target: >= 5x.
+
+GB/s counts the K/V bytes of every request's valid positions (sum_b len_b * H_kv * D * 2 *
+itemsize), whether or not the kernel reads a shared block once, so (b)'s shared figure can pass
+the machine's bandwidth. Every timed call reads a different set of buffers (rotation_sets: the
+sets together are >= 3x the last-level cache, 1/3 with --quick), K/V on transparent huge pages;
+calls are timed in turns with the peer and a read-bandwidth probe (common.ReadBandwidth, the
+extension's native probe); "of bw" is a kernel's GB/s over the probe's. Each output is checked
+against reference_paged_attention.
+
+    python benchmarks/bench_paged.py            # both cases, 25 rounds
+    python benchmarks/bench_paged.py --quick    # fewer buffers and rounds (well under a minute)
+"""
+
+import argparse
+import itertools
+
+import mlx.core as mx
+import numpy as np
+
+import mlx_batched_decode as mbd
+
+from common import (
+    ReadBandwidth, describe_machine, interleaved_medians, machine, print_table, rotation_sets, save,
+)
+
+H_Q, H_KV, D = 32, 8, 128
+DTYPE = mx.float16
+ITEMSIZE = 2
+
+
+def on_huge_pages(arrays):
+    mx.eval(*arrays)
+    for a in arrays:
+        mbd.advise_huge_pages(a)
+    return arrays
+
+
+def kv_bytes(lens):
+    return int(np.sum(lens)) * H_KV * D * 2 * ITEMSIZE
+
+
+def pool_sets(blocks, block_size, n_sets, seed, head_major=False):
+    """n_sets (key_pages, value_pages) pools [blocks, block_size, H_kv, D], each its own memory:
+    contiguous, or (head_major) views of [blocks, H_kv, block_size, D] buffers, whose rows of
+    one head and block lie together."""
+    key = mx.random.key(seed)
+    shape = (blocks, H_KV, block_size, D) if head_major else (blocks, block_size, H_KV, D)
+    base = mx.random.normal(shape, key=key).astype(DTYPE)
+    sets = [on_huge_pages([base * (1 + 0.01 * i), base * (1 - 0.01 * i)]) for i in range(n_sets)]
+    return [[mx.swapaxes(p, 1, 2) for p in kv] for kv in sets] if head_major else sets
+
+
+def cycling(fn, sets):
+    """fn(set) on the next set at each call, blocking until done."""
+    turn = itertools.cycle(sets)
+    return lambda: mx.eval(fn(next(turn)))
+
+
+def max_error(out, expected):
+    return float(mx.max(mx.abs(out.astype(mx.float32) - expected.astype(mx.float32))).item())
+
+
+def no_sharing(args, probe, head_major):
+    B, bs = 8, 16
+    lens = np.random.default_rng(B).integers(512, 2049, size=B)  # bench_kernel's uniform batch
+    T = int(-(-lens.max() // bs) * bs)
+    pages = [-(-int(n) // bs) for n in lens]
+    rng = np.random.default_rng(1)
+    ids = rng.permutation(sum(pages))
+    tables = np.full((B, max(pages)), -1, np.int32)
+    start = 0
+    for b, n in enumerate(pages):
+        tables[b, :n] = ids[start:start + n]
+        start += n
+    n_sets = rotation_sets(kv_bytes(lens), args.factor)
+    q = mx.random.normal((B, H_Q, 1, D), key=mx.random.key(2)).astype(DTYPE)
+    valid = mx.array(lens.astype(np.int32))
+    t = mx.array(tables)
+    pools = pool_sets(sum(pages), bs, n_sets, seed=3, head_major=head_major)
+    # The dense caches hold the same rows as the pools: [B, H_kv, T, D] gathered from the tables.
+    dense = []
+    for k, v in pools:
+        gather = lambda p: mx.pad(  # noqa: E731
+            mx.transpose(mx.reshape(mx.take(p, mx.maximum(t, 0).flatten(), 0), (B, -1, H_KV, D)), (0, 2, 1, 3)),
+            [(0, 0), (0, 0), (0, T - tables.shape[1] * bs), (0, 0)])
+        dense.append(on_huge_pages([gather(k), gather(v)]))
+    paged_fn = lambda kv: mbd.paged_decode_attention(q, kv[0], kv[1], t, valid)  # noqa: E731
+    dense_fn = lambda kv: mbd.batched_decode_attention(q, kv[0], kv[1], valid)  # noqa: E731
+    expected = mbd.reference_paged_attention(q, *pools[0], t, valid)
+    errors = {"paged": max_error(paged_fn(pools[0]), expected), "dense": max_error(dense_fn(dense[0]), expected)}
+    t_dense, t_paged, t_probe = interleaved_medians(
+        [cycling(dense_fn, dense), cycling(paged_fn, pools), probe.probe], repeats=args.rounds)
+    nbytes, bw = kv_bytes(lens), probe.gbs(t_probe)
+    return {
+        "case": "no sharing, block 16, " + ("head-major pool view" if head_major else "contiguous pool"), "B": B, "lens": lens.tolist(), "sets": n_sets, "bw_gbs": bw,
+        "dense_ms": t_dense * 1e3, "paged_ms": t_paged * 1e3,
+        "dense_gbs": nbytes / t_dense / 1e9, "paged_gbs": nbytes / t_paged / 1e9,
+        "ratio": t_dense / t_paged, "target": 0.9, "max_error": max(errors.values()),
+    }
+
+
+def shared_prefix(args, probe, head_major):
+    B, bs, prefix, own = 16, 16, 4096, 128
+    lens = np.full(B, prefix + own)
+    p_pages, o_pages = prefix // bs, own // bs
+    q = mx.random.normal((B, H_Q, 1, D), key=mx.random.key(4)).astype(DTYPE)
+    valid = mx.array(lens.astype(np.int32))
+    # Shared: blocks 0 .. p_pages - 1 hold the prefix, then each request's own blocks.
+    shared_tables = np.concatenate(
+        [np.tile(np.arange(p_pages), (B, 1)), p_pages + np.arange(B * o_pages).reshape(B, o_pages)], 1)
+    # Private: request b's copy of the prefix, then its own blocks, b * (p_pages + o_pages) on.
+    private_tables = np.arange(B * (p_pages + o_pages)).reshape(B, -1)
+    blocks_shared, blocks_private = p_pages + B * o_pages, B * (p_pages + o_pages)
+    n_private = rotation_sets(blocks_private * bs * H_KV * D * 2 * ITEMSIZE, args.factor)
+    n_shared = rotation_sets(blocks_shared * bs * H_KV * D * 2 * ITEMSIZE, args.factor)
+    shared = pool_sets(blocks_shared, bs, n_shared, seed=5, head_major=head_major)
+    # The private pools hold the same rows as the shared ones, the prefix copied per request.
+    copy = mx.concatenate([mx.array(np.tile(np.arange(p_pages), (B, 1))),
+                           mx.array(shared_tables[:, p_pages:])], 1).flatten()
+    # A head-major pool is copied as its buffer ([NB, H_kv, BS, D]) and viewed as the shared one.
+    axes = (lambda p: mx.swapaxes(p, 1, 2)) if head_major else (lambda p: p)
+    private = [[axes(p) for p in on_huge_pages([mx.take(axes(k), copy, 0), mx.take(axes(v), copy, 0)])]
+               for k, v in shared[:n_private]]
+    ts, tp = mx.array(shared_tables.astype(np.int32)), mx.array(private_tables.astype(np.int32))
+    shared_fn = lambda kv: mbd.paged_decode_attention(q, kv[0], kv[1], ts, valid)  # noqa: E731
+    private_fn = lambda kv: mbd.paged_decode_attention(q, kv[0], kv[1], tp, valid)  # noqa: E731
+    expected = mbd.reference_paged_attention(q, *shared[0], ts, valid)
+    before = mbd._ext.cpu_shared_items()
+    errors = [max_error(shared_fn(shared[0]), expected), max_error(private_fn(private[0]), expected)]
+    assert mbd._ext.cpu_shared_items() > before, "the shared prefix was not read once"
+    t_private, t_shared, t_probe = interleaved_medians(
+        [cycling(private_fn, private), cycling(shared_fn, shared), probe.probe], repeats=args.rounds)
+    nbytes, bw = kv_bytes(lens), probe.gbs(t_probe)
+    return {
+        "case": "16 x (4096 shared + 128 own), " + ("head-major pool view" if head_major else "contiguous pool"),
+        "B": B, "sets": [n_private, n_shared], "bw_gbs": bw,
+        "dense_ms": t_private * 1e3, "paged_ms": t_shared * 1e3,
+        "dense_gbs": nbytes / t_private / 1e9, "paged_gbs": nbytes / t_shared / 1e9,
+        "ratio": t_private / t_shared, "target": 5.0, "max_error": max(errors),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a third of the LLC of buffers, 5 rounds")
+    args = parser.parse_args()
+    args.factor, args.rounds = (1 / 3, 5) if args.quick else (3, 25)
+    info = machine()
+    probe = ReadBandwidth()
+    rows = [no_sharing(args, probe, head_major) for head_major in (False, True)]
+    rows += [shared_prefix(args, probe, head_major) for head_major in (False, True)]
+    print(describe_machine(info))
+    print("(a) peer = dense op on [B, H_kv, T, D]; (b) peer = paged op with private prefix copies")
+    print_table(rows, [
+        ("case", "case", "{}"), ("dense_ms", "peer ms", "{:.3f}"), ("paged_ms", "paged ms", "{:.3f}"),
+        ("dense_gbs", "peer GB/s", "{:.1f}"), ("paged_gbs", "paged GB/s", "{:.1f}"),
+        ("bw_gbs", "probe GB/s", "{:.1f}"), ("ratio", "paged / peer", "{:.2f}x"), ("target", "target", "{:.1f}x"),
+        ("max_error", "max err", "{:.1e}"),
+    ])
+    path = save("bench_paged" + ("_quick" if args.quick else ""), {"machine": info, "quick": args.quick,
+                                                                   "rows": rows, **probe.describe})
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

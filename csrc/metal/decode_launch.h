@@ -1,0 +1,46 @@
+// One launch of the decode attention Metal kernels, shared by the eval_gpu of
+// the dense and the paged op (they differ in the row source only: the plan's
+// PagedLayout and what is bound in the kv_starts slot).
+#pragma once
+
+#include "mlx/array.h"
+#include "mlx/stream.h"
+
+#include "launch_plan.h"
+
+namespace mlx_batched_decode {
+
+namespace mx = mlx::core;
+
+// The kernels' dtype of an array dtype; invalid_argument for others.
+KernelDtype kernel_dtype(mx::Dtype dtype);
+
+// invalid_argument unless a's last axis is contiguous, as the kernels read it.
+void check_last_axis(const mx::array& a, const char* name);
+
+// The arrays bound at the kernels' input indices. kv_starts: the dense op's
+// kv_starts, the paged op's block_tables, or valid_lens when absent; sinks:
+// valid_lens when absent (every argument needs a buffer).
+struct DecodeBuffers {
+  const mx::array& queries;
+  const mx::array& keys;
+  const mx::array& values;
+  const mx::array& valid_lens;
+  const mx::array& kv_starts;
+  const mx::array& sinks;
+};
+
+// Plans (with the pipeline's thread limit), allocates out and encodes both
+// passes on s. primitive names the command buffer's label.
+void launch_decode_attention(
+    const mx::Stream& s,
+    const char* primitive,
+    LaunchShape shape,
+    const InputStrides& strides,
+    const InputOffsets& offsets,
+    const PagedLayout& paged,
+    float scale,
+    const DecodeBuffers& in,
+    mx::array& out);
+
+} // namespace mlx_batched_decode
