@@ -40,17 +40,26 @@ __all__ = [
 # speculative decoding.
 # None of these imports mlx-lm at import time; it is needed only to run a BatchedDecoder.
 from .attention import DecodeAttention, SeedAttention, SlotAttention
+from .block_allocator import BlockAllocator, BlockBudgetError
 from .context import BatchedDecodeContext
 from .decoder import BatchedDecoder, DecodeStats, StepResult
 from .kv_cache import ContiguousKVCache, SlotKVCache
+from .paged_attention import PagedAttention
+from .paged_context import PagedDecodeContext
+from .paged_kv_cache import PagedKVCache
 from .sampling import Sampler
 
 __all__ += [
     "BatchedDecodeContext",
     "BatchedDecoder",
+    "BlockAllocator",
+    "BlockBudgetError",
     "ContiguousKVCache",
     "DecodeAttention",
     "DecodeStats",
+    "PagedAttention",
+    "PagedDecodeContext",
+    "PagedKVCache",
     "Sampler",
     "SeedAttention",
     "SlotAttention",

@@ -7,7 +7,10 @@ batch; every decode step runs the model once over all active requests with one
 verifies them all in one forward pass, so a request gains 1 to ``num_draft_tokens + 1`` tokens per
 step. A request leaves when it reaches its ``max_tokens`` or samples a stop token; the last row's
 request then moves into the freed row (slot), so the active requests always fill rows ``0..B-1``
-and the next request reuses the free one.
+and the next request reuses the free one. With ``kv_layout="paged"`` the keys/values live in the
+blocks of a ``PagedKVCache`` instead (``paged_served_model.py``): nothing moves when a request
+leaves, requests whose prompts start alike share the cached blocks of that prefix, and a request
+the block budget cannot hold yet waits until others leave.
 
 Dimension legend: B = requests in the step, V = vocabulary size.
 """
@@ -23,6 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .kv_cache import SlotKVCache
+from .paged_kv_cache import PagedKVCache
+from .paged_served_model import PagedServedModel
 from .progress import ProgressBar
 from .sampling import Sampler
 from .served_model import ServedModel
@@ -46,7 +51,10 @@ class DecodeStats:
     ``steps`` counts decode steps (speculative rounds with a draft model; the draft's forward
     passes are part of their time). ``draft_tokens`` counts the draft tokens proposed
     (``num_draft_tokens`` per request and round) and ``accepted_tokens`` those the target agreed
-    with, whether or not a budget or stop token then cut the request short.
+    with, whether or not a budget or stop token then cut the request short. With
+    ``kv_layout="paged"``, ``prefix_hit_tokens`` counts the prompt tokens (of ``prompt_tokens``)
+    whose keys/values came from cached blocks instead of prefill, and ``blocks_in_use`` is the
+    number of blocks requests hold now (0 with the slot layout).
     """
 
     prompt_tokens: int = 0
@@ -56,6 +64,8 @@ class DecodeStats:
     decode_seconds: float = 0.0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    blocks_in_use: int = 0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -92,6 +102,17 @@ class BatchedDecoder:
             copy) or ``"seed"`` (per-request ``ContiguousKVCache``, pad, concatenate, masked SDPA).
         kv_step: the caches grow in chunks of this many positions.
         prefill_step_size: prompt tokens per prefill forward pass.
+        kv_layout: ``"slot"`` (default: one cache row per request) or ``"paged"``
+            (``PagedKVCache`` block pools + ``paged_decode_attention``; with ``attention="slot"``
+            and no draft model).
+        block_size: positions per block (paged layout).
+        prefix_sharing: share the cached blocks of equal prompt prefixes (paged layout; models
+            with full-attention layers only).
+        max_kv_blocks: the block budget (paged layout, ``None``: unbounded). A request is
+            admitted when blocks for its whole length (prompt + ``max_tokens``) can be reserved;
+            until then it waits, and it never waits once decoding.
+        max_cached_blocks: the most prompt blocks no request holds that are kept for later
+            requests (paged layout with prefix sharing), least recently used out first.
 
     Raises ``ValueError`` (``[BatchedDecoder] ...``) for a model it cannot serve, naming why.
     """
@@ -105,7 +126,36 @@ class BatchedDecoder:
         attention: str = "slot",
         kv_step: int = 256,
         prefill_step_size: int = 2048,
+        kv_layout: str = "slot",
+        block_size: int = 16,
+        prefix_sharing: bool = True,
+        max_kv_blocks: Optional[int] = None,
+        max_cached_blocks: int = 256,
     ):
+        if kv_layout not in ("slot", "paged"):
+            raise ValueError(
+                f"[BatchedDecoder] kv_layout must be 'slot' or 'paged', got {kv_layout!r}"
+            )
+        if kv_layout == "paged":
+            if attention != "slot":
+                raise ValueError(
+                    f"[BatchedDecoder] kv_layout='paged' needs attention='slot', got {attention!r}"
+                )
+            if draft_model is not None:
+                raise ValueError(
+                    "[BatchedDecoder] kv_layout='paged' does not decode speculatively: "
+                    "pass no draft_model"
+                )
+            if block_size < 1:
+                raise ValueError(f"[BatchedDecoder] block_size must be >= 1, got {block_size}")
+            if max_kv_blocks is not None and max_kv_blocks < 1:
+                raise ValueError(
+                    f"[BatchedDecoder] max_kv_blocks must be >= 1 or None, got {max_kv_blocks}"
+                )
+            if max_cached_blocks < 0:
+                raise ValueError(
+                    f"[BatchedDecoder] max_cached_blocks must be >= 0, got {max_cached_blocks}"
+                )
         if attention not in ("slot", "seed"):
             raise ValueError(
                 f"[BatchedDecoder] attention must be 'slot' or 'seed', got {attention!r}"
@@ -120,7 +170,22 @@ class BatchedDecoder:
         self.attention_path = attention
         self.kv_step = kv_step
         self.prefill_step_size = prefill_step_size
-        self._target = ServedModel(model, attention, kv_step, prefill_step_size)
+        self.kv_layout = kv_layout
+        self._paged: Optional[PagedServedModel] = None
+        if kv_layout == "paged":
+            self._paged = PagedServedModel(
+                model,
+                block_size=block_size,
+                prefix_sharing=prefix_sharing,
+                max_blocks=max_kv_blocks,
+                max_cached_blocks=max_cached_blocks,
+                prefill_step_size=prefill_step_size,
+            )
+        self._target = (
+            self._paged
+            if self._paged is not None
+            else ServedModel(model, attention, kv_step, prefill_step_size)
+        )
         self._draft: Optional[ServedModel] = None
         if draft_model is not None:
             self._draft = ServedModel(draft_model, attention, kv_step, prefill_step_size)
@@ -131,6 +196,8 @@ class BatchedDecoder:
                     f"from the target's ({target_vocab})"
                 )
         self._active: list[_Request] = []
+        # Paged layout: added requests the block budget cannot hold yet, in arrival order.
+        self._waiting: deque[tuple[_Request, list[int]]] = deque()
         self._next_uid = 0
         self.stats = DecodeStats()
 
@@ -140,9 +207,20 @@ class BatchedDecoder:
         return len(self._active)
 
     @property
+    def num_waiting(self) -> int:
+        """Requests added but not yet decoding: the block budget cannot hold them yet."""
+        return len(self._waiting)
+
+    @property
     def slot_caches(self) -> Optional[list[SlotKVCache]]:
-        """The target's per-layer slot caches on the zero-copy path (``None`` on the seed path)."""
-        return self._target.slot_caches
+        """The target's per-layer slot caches on the zero-copy path (``None`` on the seed path
+        and with the paged layout)."""
+        return None if self._paged is not None else self._target.slot_caches
+
+    @property
+    def paged_cache(self) -> Optional[PagedKVCache]:
+        """The target's ``PagedKVCache`` (``None`` with the slot layout)."""
+        return None if self._paged is None else self._paged.cache
 
     @property
     def draft_slot_caches(self) -> Optional[list[SlotKVCache]]:
@@ -157,7 +235,9 @@ class BatchedDecoder:
     ) -> int:
         """Prefill ``prompt`` (token ids, at least one), add it to the running batch, return its id.
 
-        The request's first token comes out of the next ``step``.
+        The request's first token comes out of the next ``step``; with the paged layout, a
+        request the block budget cannot hold yet waits, and its first token comes out of the
+        first ``step`` after it fits.
         """
         if len(prompt) == 0:
             raise ValueError("[BatchedDecoder] a prompt needs at least one token")
@@ -172,6 +252,18 @@ class BatchedDecoder:
             next_token=prompt[-1],
         )
         self._next_uid += 1
+        if self._paged is not None:
+            cache = self._paged.cache
+            needed = cache.blocks_for(len(prompt) - 1 + max_tokens)
+            budget = cache.allocator.max_blocks
+            if budget is not None and needed > budget:
+                raise ValueError(
+                    f"[BatchedDecoder] a request of {len(prompt)} prompt tokens and max_tokens="
+                    f"{max_tokens} needs {needed} blocks, more than max_kv_blocks={budget}"
+                )
+            self._waiting.append((request, prompt[:-1]))
+            self._admit_waiting()
+            return request.uid
         start = time.perf_counter()
         for served in self._models():
             served.admit(len(self._active), prompt[:-1])
@@ -180,9 +272,27 @@ class BatchedDecoder:
         self.stats.prefill_seconds += time.perf_counter() - start
         return request.uid
 
+    def _admit_waiting(self) -> None:
+        """Paged layout: prefill waiting requests, first come first, while the budget holds them."""
+        while self._waiting:
+            request, prefilled = self._waiting[0]
+            start = time.perf_counter()
+            total_len = request.seq_len + request.max_tokens
+            hit = self._paged.admit(request.uid, prefilled, total_len)
+            if hit is None:
+                return
+            self._waiting.popleft()
+            self._active.append(request)
+            self.stats.prompt_tokens += len(prefilled)
+            self.stats.prefix_hit_tokens += hit
+            self.stats.blocks_in_use = self._paged.cache.blocks_in_use
+            self.stats.prefill_seconds += time.perf_counter() - start
+
     def step(self, sampler: Optional[Sampler] = None) -> StepResult:
         """One decode step for every active request, greedy unless ``sampler`` says otherwise:
         one token each, or with a draft model one speculative round (1 to k + 1 tokens each)."""
+        if self._waiting:
+            self._admit_waiting()
         if not self._active:
             raise ValueError("[BatchedDecoder] step() needs at least one active request")
         sampler = sampler or Sampler()
@@ -224,6 +334,8 @@ class BatchedDecoder:
         finished = [self._active[row].uid for row in finished_rows]
         for row in reversed(finished_rows):
             self._remove(row)
+        if self._paged is not None:
+            self.stats.blocks_in_use = self._paged.cache.blocks_in_use
         self.stats.steps += 1
         self.stats.generated_tokens += sum(len(t) for t in emitted.values())
         self.stats.decode_seconds += time.perf_counter() - start
@@ -231,8 +343,11 @@ class BatchedDecoder:
 
     def _remove(self, row: int) -> None:
         last = len(self._active) - 1
-        for served in self._models():
-            served.release(row, last, self._active[last].seq_len)
+        if self._paged is not None:
+            self._paged.release(row, last)
+        else:
+            for served in self._models():
+                served.release(row, last, self._active[last].seq_len)
         self._active[row] = self._active[last]
         self._active.pop()
 
@@ -255,7 +370,7 @@ class BatchedDecoder:
         Stop tokens end a request and are not included in its tokens. ``progress`` draws a bar on
         stderr.
         """
-        if self._active:
+        if self._active or self._waiting:
             raise ValueError("[BatchedDecoder] generate() needs an idle decoder")
         budgets = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         if len(budgets) != len(prompts):
@@ -268,8 +383,10 @@ class BatchedDecoder:
         waiting = deque(i for i, budget in enumerate(budgets) if budget > 0)
         index_of: dict[int, int] = {}
         bar = ProgressBar(sum(budgets), "tokens") if progress else None
-        while waiting or self._active:
-            while waiting and (max_batch_size is None or len(self._active) < max_batch_size):
+        while waiting or self._active or self._waiting:
+            while waiting and (
+                max_batch_size is None or len(self._active) + len(self._waiting) < max_batch_size
+            ):
                 i = waiting.popleft()
                 index_of[self.add_request(prompts[i], budgets[i], stop_tokens=stop_tokens)] = i
             result = self.step(sampler)

@@ -80,14 +80,26 @@ def layer_keys_values(cache: Any) -> tuple[mx.array, mx.array]:
     return temporal(keys), temporal(values)
 
 
-def prefill(model: nn.Module, tokens: list[int], step_size: int) -> list[tuple[mx.array, mx.array]]:
+def prefill(
+    model: nn.Module,
+    tokens: list[int],
+    step_size: int,
+    prefix: Optional[list[tuple[mx.array, mx.array]]] = None,
+) -> list[tuple[mx.array, mx.array]]:
     """Run ``tokens`` through the model with mlx-lm's own caches, ``step_size`` tokens at a time.
 
-    Returns each layer's keys and values ``[1, H_kv, len(tokens), D]`` (``layer_keys_values``).
-    Like mlx-lm's ``generate_step``, callers prefill all but the last prompt token, which then
-    enters decoding.
+    ``prefix``: each layer's keys/values ``[1, H_kv, C, D]`` of C tokens already computed
+    (a cached prefix): they enter the caches first, as an earlier prefill chunk would, and
+    ``tokens`` sit at positions ``C ..``.
+
+    Returns each layer's keys and values ``[1, H_kv, C + len(tokens), D]``
+    (``layer_keys_values``). Like mlx-lm's ``generate_step``, callers prefill all but the last
+    prompt token, which then enters decoding.
     """
     caches = prompt_caches(model)
+    if prefix is not None:
+        for cache, (keys, values) in zip(caches, prefix):
+            cache.update_and_fetch(keys, values)
     for start in range(0, len(tokens), step_size):
         model(mx.array(tokens[start : start + step_size], dtype=mx.int32)[None], cache=caches)
         mx.eval([c.state for c in caches])

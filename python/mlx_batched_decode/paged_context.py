@@ -1,0 +1,59 @@
+"""The per-step decode context of the paged layout: block tables and write slots, once per step.
+
+Dimension legend: B = requests in the step, L = new tokens per request in the step,
+M = entries per block table (the longest table of the step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import mlx.core as mx
+
+from .context import BatchedDecodeContext
+
+
+@dataclass
+class PagedDecodeContext(BatchedDecodeContext):
+    """A ``BatchedDecodeContext`` whose requests keep their keys/values in the blocks of a
+    ``PagedKVCache``; every layer reads the same tables (block ids are the same in every layer).
+
+    Args (besides the base class's):
+        tables: B host lists of block ids; request ``b``'s logical position ``j`` lives in row
+            ``j % block_size`` of block ``tables[b][j // block_size]``. They cover every
+            position up to ``seq_lens[b] + L - 1`` (the cache allocated this step's blocks).
+        block_size: positions per block.
+
+    Derived fields:
+        block_tables: int32 ``[B, M]``, ``tables`` padded with ``-1`` (never read: past the
+            request's length).
+        write_blocks, write_rows: int32 ``[B, L]``, the block and the row in it where each new
+            token is written: the slot mapping of the one scatter per layer and pool.
+    """
+
+    tables: Sequence[Sequence[int]] = ()
+    block_size: int = 16
+    block_tables: mx.array = field(init=False)
+    write_blocks: mx.array = field(init=False)
+    write_rows: mx.array = field(init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.tables) != self.batch_size:
+            raise ValueError(
+                f"[PagedDecodeContext] need one block table per request, got {len(self.tables)} "
+                f"for {self.batch_size} requests"
+            )
+        width = max(len(t) for t in self.tables)
+        self.block_tables = mx.array(
+            [list(t) + [-1] * (width - len(t)) for t in self.tables], dtype=mx.int32
+        )
+        positions = [[s + i for i in range(self.query_len)] for s in self.seq_lens]
+        self.write_blocks = mx.array(
+            [[t[p // self.block_size] for p in row] for t, row in zip(self.tables, positions)],
+            dtype=mx.int32,
+        )
+        self.write_rows = mx.array(
+            [[p % self.block_size for p in row] for row in positions], dtype=mx.int32
+        )
