@@ -23,10 +23,11 @@ __all__ = ["advise_huge_pages", "batched_decode_attention", "metal_backend", "me
 # The decode layer (issue 4): per-step context, KV caches, attention paths, mlx-lm adapter,
 # speculative decoding.
 # None of these imports mlx-lm at import time; it is needed only to run a BatchedDecoder.
-from .attention import DecodeAttention, SeedAttention, SlotAttention
+from .attention import DecodeAttention, QuantizedSlotAttention, SeedAttention, SlotAttention
 from .context import BatchedDecodeContext
 from .decoder import BatchedDecoder, DecodeStats, StepResult
 from .kv_cache import ContiguousKVCache, SlotKVCache
+from .quantized_kv_cache import QuantizedSlotKVCache
 from .sampling import Sampler
 
 __all__ += [
@@ -35,6 +36,8 @@ __all__ += [
     "ContiguousKVCache",
     "DecodeAttention",
     "DecodeStats",
+    "QuantizedSlotAttention",
+    "QuantizedSlotKVCache",
     "Sampler",
     "SeedAttention",
     "SlotAttention",

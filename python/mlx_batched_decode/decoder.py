@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from .kv_cache import SlotKVCache
 from .progress import ProgressBar
+from .quantized_kv_cache import QuantizedSlotKVCache, check_quantization
 from .sampling import Sampler
 from .served_model import ServedModel
 from .speculative import speculative_round
@@ -92,6 +93,12 @@ class BatchedDecoder:
             copy) or ``"seed"`` (per-request ``ContiguousKVCache``, pad, concatenate, masked SDPA).
         kv_step: the caches grow in chunks of this many positions.
         prefill_step_size: prompt tokens per prefill forward pass.
+        kv_bits: 8 or 4 to keep keys and values quantized (``QuantizedSlotKVCache`` +
+            ``quantized_batched_decode_attention``), as mlx-lm's ``generate_step(kv_bits=...,
+            kv_group_size=..., quantized_kv_start=0)`` does, the draft model's too; ``None``
+            (default) keeps them in the model's dtype. Needs ``attention="slot"``.
+        kv_group_size: elements per quantization group (32, 64 or 128; it must divide the head
+            dims), with ``kv_bits``.
 
     Raises ``ValueError`` (``[BatchedDecoder] ...``) for a model it cannot serve, naming why.
     """
@@ -105,11 +112,20 @@ class BatchedDecoder:
         attention: str = "slot",
         kv_step: int = 256,
         prefill_step_size: int = 2048,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
     ):
         if attention not in ("slot", "seed"):
             raise ValueError(
                 f"[BatchedDecoder] attention must be 'slot' or 'seed', got {attention!r}"
             )
+        if kv_bits is not None:
+            check_quantization("BatchedDecoder", kv_bits, kv_group_size)
+            if attention != "slot":
+                raise ValueError(
+                    "[BatchedDecoder] kv_bits needs attention='slot': the seed path keeps "
+                    "unquantized per-request caches"
+                )
         if num_draft_tokens < 1:
             raise ValueError(
                 f"[BatchedDecoder] num_draft_tokens must be >= 1, got {num_draft_tokens}"
@@ -120,10 +136,15 @@ class BatchedDecoder:
         self.attention_path = attention
         self.kv_step = kv_step
         self.prefill_step_size = prefill_step_size
-        self._target = ServedModel(model, attention, kv_step, prefill_step_size)
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
+        quantization = (kv_bits, kv_group_size)
+        self._target = ServedModel(model, attention, kv_step, prefill_step_size, *quantization)
         self._draft: Optional[ServedModel] = None
         if draft_model is not None:
-            self._draft = ServedModel(draft_model, attention, kv_step, prefill_step_size)
+            self._draft = ServedModel(
+                draft_model, attention, kv_step, prefill_step_size, *quantization
+            )
             target_vocab, draft_vocab = self._target.vocab_size(), self._draft.vocab_size()
             if target_vocab != draft_vocab:
                 raise ValueError(
@@ -140,12 +161,13 @@ class BatchedDecoder:
         return len(self._active)
 
     @property
-    def slot_caches(self) -> Optional[list[SlotKVCache]]:
-        """The target's per-layer slot caches on the zero-copy path (``None`` on the seed path)."""
+    def slot_caches(self) -> Optional[list[Union[SlotKVCache, QuantizedSlotKVCache]]]:
+        """The target's per-layer slot caches on the zero-copy path (``QuantizedSlotKVCache``
+        with ``kv_bits``; ``None`` on the seed path)."""
         return self._target.slot_caches
 
     @property
-    def draft_slot_caches(self) -> Optional[list[SlotKVCache]]:
+    def draft_slot_caches(self) -> Optional[list[Union[SlotKVCache, QuantizedSlotKVCache]]]:
         """The draft's per-layer slot caches (``None`` on the seed path or without a draft)."""
         return None if self._draft is None else self._draft.slot_caches
 

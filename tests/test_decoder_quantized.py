@@ -1,0 +1,226 @@
+"""BatchedDecoder with kv_bits: a quantized slot cache read by quantized_batched_decode_attention.
+
+Greedy tokens are compared with mlx-lm's own single-request decode at the same settings,
+``generate_step(kv_bits=..., kv_group_size=..., quantized_kv_start=0)``, on float32 random-weight
+models built in place. Prompts have two tokens or more: with nothing to prefill, mlx-lm attends
+its first token over a cache it has not quantized yet. Sliding windows and sinks, which mlx-lm's
+quantized cache refuses, are compared with the dense decoder fed the dequantized keys/values.
+"""
+
+import mlx.core as mx
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+import mlx_batched_decode  # noqa: E402
+from mlx_batched_decode.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.kv_cache import SlotKVCache  # noqa: E402
+from mlx_batched_decode.quantized_kv_cache import QuantizedSlotKVCache  # noqa: E402
+from mlx_batched_decode.random_model import random_model  # noqa: E402
+from mlx_lm_models import mlx_lm_greedy, random_prompts  # noqa: E402
+from test_decoder import FAMILIES  # noqa: E402
+from test_decoder_windows import FAMILIES as WINDOW_FAMILIES  # noqa: E402
+from test_decoder_windows import build as build_windowed  # noqa: E402
+
+PROMPT_LENS = [2, 7, 30, 13, 55]
+MAX_TOKENS = [10, 4, 12, 1, 8]
+# Share of 4-bit greedy tokens equal to mlx-lm's 4-bit decode, measured on these families and
+# prompts (README, "Quantized KV caches"); the floor sits below the measured share.
+FOUR_BIT_FLOOR = None
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: random_model(config, seed=1) for name, config in FAMILIES.items()}
+
+
+def mlx_lm_quantized(model, bits, group_size=64, lens=PROMPT_LENS, budgets=MAX_TOKENS, **options):
+    """mlx-lm's single-request greedy decode of each prompt with its cache quantized from the
+    start."""
+    return [
+        mlx_lm_greedy(
+            model, p, n, kv_bits=bits, kv_group_size=group_size, quantized_kv_start=0, **options
+        )
+        for p, n in zip(random_prompts(lens), budgets)
+    ]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_8bit_greedy_matches_mlx_lm_with_joins_and_early_leaves(models, family):
+    # max_batch_size 3 of 5 requests: two join mid-way; budgets differ, so requests leave early.
+    decoder = BatchedDecoder(models[family], kv_step=16, kv_bits=8, kv_group_size=64)
+    out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
+    assert out == mlx_lm_quantized(models[family], 8)
+    assert decoder.num_active == 0
+    assert all(isinstance(c, QuantizedSlotKVCache) for c in decoder.slot_caches)
+
+
+@pytest.mark.parametrize("family,group_size", [("llama", 32), ("qwen3", 128)])
+def test_8bit_other_group_sizes_match_mlx_lm(models, family, group_size):
+    decoder = BatchedDecoder(models[family], kv_step=16, kv_bits=8, kv_group_size=group_size)
+    out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
+    assert out == mlx_lm_quantized(models[family], 8, group_size)
+
+
+def test_8bit_chunked_prefill_matches_mlx_lm(models):
+    """Prefill in chunks of 8: every chunk after the first attends the quantized keys of the
+    earlier ones, in mlx-lm and here."""
+    model = models["mistral"]
+    decoder = BatchedDecoder(model, kv_step=16, kv_bits=8, prefill_step_size=8)
+    out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
+    assert out == mlx_lm_quantized(model, 8, prefill_step_size=8)
+
+
+def _matching_tokens(out, expected):
+    """Per request, the leading tokens ``out`` shares with ``expected`` (after the first
+    difference greedy decodes continue from different histories)."""
+    same = 0
+    for got, want in zip(out, expected):
+        for a, b in zip(got, want):
+            if a != b:
+                break
+            same += 1
+    return same
+
+
+def test_4bit_share_of_tokens_equal_to_mlx_lm(models):
+    same = total = 0
+    for family, model in models.items():
+        decoder = BatchedDecoder(model, kv_step=16, kv_bits=4)
+        out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
+        expected = mlx_lm_quantized(model, 4)
+        same += _matching_tokens(out, expected)
+        total += sum(len(t) for t in expected)
+    print(f"4-bit: {same}/{total} greedy tokens equal mlx-lm's")
+    assert same / total >= FOUR_BIT_FLOOR
+
+
+def _dequantized_reference(model, prompts, budgets, bits, group_size, monkeypatch):
+    """The dense slot decoder with every key/value it writes replaced by
+    ``mx.dequantize(mx.quantize(.))``: plain MLX and the dense op, no quantized kernel."""
+
+    def rounded(x):
+        triple = mx.quantize(x, group_size=group_size, bits=bits)
+        return mx.dequantize(*triple, group_size=group_size, bits=bits)
+
+    real_update, real_write = SlotKVCache.update, SlotKVCache.write_prompt
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            SlotKVCache, "update", lambda c, k, v, ctx: real_update(c, rounded(k), rounded(v), ctx)
+        )
+        patch.setattr(
+            SlotKVCache,
+            "write_prompt",
+            lambda c, slot, k, v: real_write(c, slot, rounded(k), rounded(v)),
+        )
+        decoder = BatchedDecoder(model, kv_step=16)
+        return decoder.generate(prompts, budgets, max_batch_size=3)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text", "llama"])
+def test_windows_and_sinks_match_the_dequantized_dense_decoder(family, bits, monkeypatch):
+    """Sliding-window layers (prefilled with mlx-lm's rotating cache, quantized once at the end)
+    and sinks, past the window of 16, at 8 and 4 bits; gpt-oss and Llama have head dim 64 and
+    32, Gemma 3 256."""
+    model = build_windowed(family)
+    lens, budgets = [2, 9, 60, 16, 17, 33], [24, 24, 24, 5, 24, 1]
+    prompts = random_prompts(lens)
+    decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits, kv_group_size=32)
+    out = decoder.generate(prompts, budgets, max_batch_size=3)
+    assert out == _dequantized_reference(model, prompts, budgets, bits, 32, monkeypatch)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_4bit_and_8bit_match_the_dequantized_dense_decoder(models, bits, monkeypatch):
+    """The same reference on a full-attention model, including a one-token prompt."""
+    model = models["qwen2"]
+    prompts, budgets = random_prompts([1, 7, 30]), [12, 12, 12]
+    decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits)
+    out = decoder.generate(prompts, budgets, max_batch_size=3)
+    assert out == _dequantized_reference(model, prompts, budgets, bits, 64, monkeypatch)
+
+
+@pytest.mark.parametrize("num_draft_tokens", [1, 3])
+def test_speculative_8bit_equals_decoding_without_draft(models, num_draft_tokens):
+    """The target verifies k + 1 tokens per request over its quantized cache (L = k + 1); the
+    draft's cache is quantized too, as in mlx-lm's speculative_generate_step."""
+    model = models["llama"]
+    plain = mlx_lm_quantized(model, 8)
+    for draft in (model, random_model(FAMILIES["llama"], seed=2)):
+        decoder = BatchedDecoder(
+            model, draft_model=draft, num_draft_tokens=num_draft_tokens, kv_step=16, kv_bits=8
+        )
+        out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
+        assert out == plain
+        assert all(isinstance(c, QuantizedSlotKVCache) for c in decoder.draft_slot_caches)
+        if draft is model:
+            assert decoder.stats.acceptance_rate == 1.0
+
+
+def test_each_layer_calls_the_quantized_op_once_per_step(models, monkeypatch):
+    model = models["mistral"]
+    decoder = BatchedDecoder(model, kv_bits=4, kv_group_size=32)
+    for prompt in random_prompts([4, 9, 2]):
+        decoder.add_request(prompt, 5)
+    calls = []
+    real_op = mlx_batched_decode.quantized_batched_decode_attention
+
+    def spy(queries, keys, values, lens, **kwargs):
+        calls.append((keys, values, kwargs))
+        return real_op(queries, keys, values, lens, **kwargs)
+
+    def dense(*args, **kwargs):
+        raise AssertionError("the dense op ran on a quantized cache")
+
+    monkeypatch.setattr(mlx_batched_decode, "quantized_batched_decode_attention", spy)
+    monkeypatch.setattr(mlx_batched_decode, "batched_decode_attention", dense)
+    decoder.step()
+    assert len(calls) == FAMILIES["mistral"]["num_hidden_layers"]
+    for (keys, values, kwargs), cache in zip(calls, decoder.slot_caches):
+        assert kwargs["bits"] == 4 and kwargs["group_size"] == 32
+        # The keys are views of the cache's own buffers: [B, H_kv, max_len, *] of them.
+        assert [x.shape[:3] for x in (*keys, *values)] == 6 * [(3, 2, 9)]
+        assert [x.shape[3] for x in keys] == [64 * 4 // 32, 2, 2]
+        assert all(x.shape[2] == cache.capacity for x in cache.buffers())
+
+
+def test_decode_step_of_a_model_copies_no_cache_buffer(models):
+    """A whole-model step allocates far less than the smallest of one layer's six buffers."""
+    decoder = BatchedDecoder(models["llama"], kv_step=4096, kv_bits=8, kv_group_size=32)
+    for prompt in random_prompts([40, 3, 25]):
+        decoder.add_request(prompt, 100)
+    decoder.step()
+    smallest = min(x.nbytes for x in decoder.slot_caches[0].buffers())
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    decoder.step()
+    assert mx.get_peak_memory() - base < smallest / 2, (mx.get_peak_memory() - base, smallest)
+
+
+def test_cache_is_smaller_than_the_dense_one(models):
+    """8 bits with float32 scales and biases per 64 elements: 9/32 of float32; 4 bits: 5/32."""
+    prompts = random_prompts(PROMPT_LENS)
+    sizes = {}
+    for bits in (None, 8, 4):
+        decoder = BatchedDecoder(models["llama"], kv_step=16, kv_bits=bits)
+        for prompt in prompts:
+            decoder.add_request(prompt, 4)
+        sizes[bits] = sum(c.nbytes for c in decoder.slot_caches)
+    assert sizes[8] * 32 == sizes[None] * 9 and sizes[4] * 32 == sizes[None] * 5
+
+
+def test_rejects_bad_quantization_arguments(models):
+    model = models["llama"]
+    for bits, group_size in [(3, 64), (2, 64), (16, 64), (8, 16), (4, 256), (8, 0)]:
+        with pytest.raises(ValueError, match=r"^\[BatchedDecoder\] kv_"):
+            BatchedDecoder(model, kv_bits=bits, kv_group_size=group_size)
+    with pytest.raises(ValueError, match=r"^\[BatchedDecoder\] kv_bits needs attention='slot'"):
+        BatchedDecoder(model, kv_bits=8, attention="seed")
+    # Head dim 48: groups of 32 do not divide it.
+    windowed = random_model(WINDOW_FAMILIES["ministral3"], seed=1)
+    with pytest.raises(
+        ValueError,
+        match=r"^\[BatchedDecoder\] kv_group_size 32 does not divide layer 0's key head dim 48",
+    ):
+        BatchedDecoder(windowed, kv_bits=8, kv_group_size=32)
