@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "cpu/decode_args.h"
 #include "cpu/kernel_table.h"
 #include "cpu/parallel_decode.h"
+#include "cpu/quantized_tiles.h"
 #include "cpu/tiles.h"
 #include "cpu/vector_math.h"
 
@@ -200,15 +202,15 @@ inline uint32_t block_mask(KeyRange r, int t, int n) {
 }
 
 // Loads the R query rows of (b, h) into the scratch: scaled float32 rows
-// [R, Dp] (unscaled T rows for kBf16Dot), zero-padded past D.
-template <typename T, int D>
+// [R, Dp] (unscaled T rows for Raw, the kBf16Dot keys), zero-padded past D.
+template <typename T, int D, bool Raw = kBf16Dot<T>>
 void load_queries(const DecodeArgs& a, int b, int h, Scratch<T>& s) {
   const int Dp = D ? D : a.Dp;
   const T* q = static_cast<const T*>(a.queries) + b * a.q_stride[0];
   for (int r = 0; r < a.rows(); ++r) {
     const int g = r / a.L, i = r % a.L;
     const T* qr = q + static_cast<int64_t>(h * a.G + g) * a.q_stride[1] + i * a.q_stride[2];
-    if constexpr (kBf16Dot<T>) {
+    if constexpr (Raw) {
       for (int e = 0; e < Dp; ++e) {
         s.q_raw[r * Dp + e] = e < a.D ? qr[e * a.q_stride[3]] : T(0.0f);
       }
@@ -336,7 +338,150 @@ template <typename T>
 thread_local AmxItem<T> tls_tiles;
 #endif
 
-template <typename T, int D>
+// The quantized row source's per-thread scratch: a block's packed rows (in
+// place, or gathered from a strided last axis), the scales and biases of its
+// keys and values as float32, group-major [4][groups, kBlock] (key scales, key
+// biases, value scales, value biases), the query rows' sums per group
+// [R, groups], and per block each row's weights times the value scales
+// [R, groups, kBlock] and weighted value biases [R, groups].
+struct QuantizedScratch {
+  std::vector<uint32_t> words;
+  std::vector<float> sb;
+  std::vector<float> qsum;
+  std::vector<float> ws;
+  std::vector<float> bias_sum;
+  const uint32_t* rows[kBlock];
+
+  void reserve(int R, int words_per_row, int groups) {
+    Scratch<float>::grow(words, static_cast<size_t>(kBlock) * words_per_row);
+    Scratch<float>::grow(sb, static_cast<size_t>(4) * groups * kBlock);
+    Scratch<float>::grow(qsum, static_cast<size_t>(R) * groups);
+    Scratch<float>::grow(ws, static_cast<size_t>(R) * groups * kBlock);
+    Scratch<float>::grow(bias_sum, static_cast<size_t>(R) * groups);
+  }
+};
+
+thread_local QuantizedScratch tls_quantized;
+
+inline float scalar_to_float(Dtype dtype, const void* base, int64_t i) {
+  switch (dtype) {
+    case Dtype::float16:
+      return static_cast<float>(static_cast<const mx::float16_t*>(base)[i]);
+    case Dtype::bfloat16:
+      return static_cast<float>(static_cast<const mx::bfloat16_t*>(base)[i]);
+    default:
+      return static_cast<const float*>(base)[i];
+  }
+}
+
+// Points s.rows at the packed rows [t, t + n) of (b, h) of the keys (side 0)
+// or values (side 1) and widens their scales and biases into s.sb; rows n to
+// the next multiple of 4 repeat row n - 1 (as load_block), and their scales
+// and biases are 0. The rows one block on are requested from memory.
+template <int Bits>
+void load_quantized_block(const DecodeArgs& a, int side, int b, int h, int t, int n, int end, QuantizedScratch& s) {
+  const QuantizedRows& qr = a.quant;
+  const int words = a.D * Bits / 32, groups = qr.groups(a.D);
+  const int64_t* stride = side ? a.v_stride : a.k_stride;
+  const uint32_t* head = static_cast<const uint32_t*>(side ? a.values : a.keys) + b * stride[0] + h * stride[1];
+  for (int j = 0; j < n; ++j) {
+    const uint32_t* row = head + (t + j) * stride[2];
+    if (t + j + kBlock < end) {
+      for (int byte = 0; byte < words * 4; byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(row + kBlock * stride[2]) + byte, 0, 1);
+      }
+    }
+    if (stride[3] == 1) {
+      s.rows[j] = row;
+      continue;
+    }
+    uint32_t* copy = s.words.data() + j * words;
+    for (int w = 0; w < words; ++w) {
+      copy[w] = row[w * stride[3]];
+    }
+    s.rows[j] = copy;
+  }
+  for (int j = n; j % 4 != 0; ++j) {
+    s.rows[j] = s.rows[n - 1];
+  }
+  for (int kind = 0; kind < 2; ++kind) {
+    const void* base = kind ? qr.biases[side] : qr.scales[side];
+    const int64_t* st = kind ? qr.biases_stride[side] : qr.scales_stride[side];
+    float* out = s.sb.data() + (2 * side + kind) * groups * kBlock;
+    const int64_t first = b * st[0] + h * st[1] + int64_t{t} * st[2];
+    for (int g = 0; g < groups; ++g) {
+      for (int j = 0; j < n; ++j) {
+        out[g * kBlock + j] = scalar_to_float(qr.scales_dtype, base, first + j * st[2] + g * st[3]);
+      }
+      std::fill(out + g * kBlock + n, out + (g + 1) * kBlock, 0.0f);
+    }
+  }
+}
+
+// Scores of the R query rows (scaled float32 qs [R, Dp], group sums qsum)
+// against the packed keys [t, t + n) of (b, h).
+template <int Bits, int D>
+void score_quantized_block(const DecodeArgs& a, const float* qs, int b, int h, int t, int n, int end, float* scores,
+                           QuantizedScratch& s) {
+  const int Dp = D ? D : a.Dp, groups = a.quant.groups(a.D);
+  load_quantized_block<Bits>(a, 0, b, h, t, n, end, s);
+  const float* scales = s.sb.data();
+  const float* biases = scales + groups * kBlock;
+  for (int j = 0; j < n; j += kQuantKeys) {
+    for_row_tiles<2>(a.rows(), [&]<int H>(int r) {
+      dot_rows_quantized<Bits, D, H, kQuantKeys>(qs + r * Dp, s.qsum.data() + r * groups, s.rows + j, scales + j,
+                                                 biases + j, kBlock, scores + r * kBlock + j, kBlock, Dp,
+                                                 a.quant.group_size);
+    });
+  }
+}
+
+// The weights w [R, kBlock] of the packed values [t, t + n) of (b, h) into
+// the accumulators, rescaled by alpha [R]; masks [R] as accumulate_rows.
+template <int Bits, int D>
+void accumulate_quantized_block(const DecodeArgs& a, int b, int h, int t, int n, int end, const float* w,
+                                const float* alpha, const uint32_t* masks, bool masked, float* acc,
+                                QuantizedScratch& s) {
+  const int Dp = D ? D : a.Dp, groups = a.quant.groups(a.D), R = a.rows();
+  load_quantized_block<Bits>(a, 1, b, h, t, n, end, s);
+  const float* scales = s.sb.data() + 2 * groups * kBlock;
+  const float* biases = scales + groups * kBlock;
+  for (int r = 0; r < R; ++r) {
+    const float* wr = w + r * kBlock;
+    for (int g = 0; g < groups; ++g) {
+      float* ws = s.ws.data() + (r * groups + g) * kBlock;
+      const float* sg = scales + g * kBlock;
+      const float* bg = biases + g * kBlock;
+      float sum = 0.0f;
+      for (int j = 0; j < n; ++j) {
+        ws[j] = wr[j] * sg[j];
+        // A key outside the row's range adds nothing, not 0 * NaN.
+        if (!masked || (masks[r] >> j & 1u)) {
+          sum += wr[j] * bg[j];
+        }
+      }
+      s.bias_sum[r * groups + g] = sum;
+    }
+  }
+  auto tile = [&]<bool Masked>() {
+    for_row_tiles<4>(R, [&]<int H>(int r) {
+      accumulate_rows_quantized<Bits, D, H, Masked>(acc + r * Dp, alpha + r, s.ws.data() + r * groups * kBlock,
+                                                    kBlock, s.bias_sum.data() + r * groups, s.rows, n, Dp,
+                                                    a.quant.group_size, masks + r);
+    });
+  };
+  if (masked) {
+    tile.template operator()<true>();
+  } else {
+    tile.template operator()<false>();
+  }
+}
+
+// Attends the R query rows of one work item over its keys, 32 at a time:
+// scores, the online softmax and the weighted values, with the rows read
+// from dense strided views (Bits == 0; T, the queries' dtype) or from the
+// packed integers of a quantized cache (Bits 4 or 8, see QuantizedRows).
+template <typename T, int D, int Bits = 0>
 void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Chunk* next) {
   const int b = c.b, h = c.h, t0 = c.t0, t1 = c.t1;
   const int R = a.rows(), L = a.L;
@@ -366,13 +511,26 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
   bool vector_queries = false;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   AmxItem<T>& tiles = tls_tiles<T>;
-  if constexpr (kAmx<T>) {
+  if constexpr (kAmx<T> && Bits == 0) {
     tiles.begin(a, b, h, Dp, s.ranges.data(), R >= kAmxMinRows<T>);
   }
 #endif
-  // The first block's values are requested while its keys are scored, in case
-  // no previous chunk requested them.
-  if (!gathered<D>(a.v_stride)) {
+  QuantizedScratch& quantized = tls_quantized;
+  if constexpr (Bits != 0) {
+    const int groups = a.quant.groups(a.D);
+    quantized.reserve(R, a.D * Bits / 32, groups);
+    // Scaled float32 queries and their sums per group, the second term of q . k.
+    load_queries<T, D, false>(a, b, h, s);
+    vector_queries = true;
+    for (int r = 0; r < R; ++r) {
+      for (int g = 0; g < groups; ++g) {
+        const float* q = qs + r * Dp + g * a.quant.group_size;
+        quantized.qsum[r * groups + g] = std::accumulate(q, q + a.quant.group_size, 0.0f);
+      }
+    }
+  } else if (!gathered<D>(a.v_stride)) {
+    // The first block's values are requested while its keys are scored, in
+    // case no previous chunk requested them.
     prefetch_rows<T, D>(vh + t0 * a.v_stride[2], a.v_stride[2], std::min(kBlock, t1 - t0));
   }
   for (int t = t0; t < t1; t += kBlock) {
@@ -383,7 +541,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     const Lookahead v_next = successor_rows<D>(a.v_stride, c, t, n, next);
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    if constexpr (kAmx<T>) {
+    if constexpr (kAmx<T> && Bits == 0) {
       if (tiles.block(a, kh, vh, t, n, k_next, v_next, rows, st, [&](const T* head, const int64_t* stride) {
             load_block<T, D>(a, head, stride, t, n, t1, block, rows);
           })) {
@@ -398,21 +556,25 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     }
     // Each key row is read once and scored against all R query rows, two at a
     // time (four with the bfloat16 dot product).
-    load_block<T, D>(a, kh, a.k_stride, t, n, t1, block, rows);
-    for (int j = 0; j < n; j += 4) {
-      const Lookahead ahead{k_next.offset, k_next.rows - j};
+    if constexpr (Bits != 0) {
+      score_quantized_block<Bits, D>(a, qs, b, h, t, n, t1, scores, quantized);
+    } else {
+      load_block<T, D>(a, kh, a.k_stride, t, n, t1, block, rows);
+      for (int j = 0; j < n; j += 4) {
+        const Lookahead ahead{k_next.offset, k_next.rows - j};
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-      if constexpr (kBf16Dot<T>) {
-        for_row_tiles<4>(R, [&]<int H>(int r) {
-          dot_4_rows_bf16<D, H>(s.q_raw.data() + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, a.scale,
-                                r == 0 ? ahead : Lookahead{});
-        });
-        continue;
-      }
+        if constexpr (kBf16Dot<T>) {
+          for_row_tiles<4>(R, [&]<int H>(int r) {
+            dot_4_rows_bf16<D, H>(s.q_raw.data() + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, a.scale,
+                                  r == 0 ? ahead : Lookahead{});
+          });
+          continue;
+        }
 #endif
-      for_row_tiles<2>(R, [&]<int H>(int r) {
-        dot_4_rows<D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, r == 0 ? ahead : Lookahead{});
-      });
+        for_row_tiles<2>(R, [&]<int H>(int r) {
+          dot_4_rows<D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, r == 0 ? ahead : Lookahead{});
+        });
+      }
     }
 
     // Rows whose range cuts this block (L > 1: the rows' ends differ, and their
@@ -437,6 +599,10 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
       alpha[r] = softmax_block(scores + r * kBlock, n, st.m[r], st.l[r]);
     }
 
+    if constexpr (Bits != 0) {
+      accumulate_quantized_block<Bits, D>(a, b, h, t, n, t1, scores, alpha, masks, masked, st.acc, quantized);
+      continue;
+    }
     // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.
     load_block<T, D>(a, vh, a.v_stride, t, n, t1, block, rows);
     if (masked) {
@@ -451,7 +617,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     });
   }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  if constexpr (kAmx<T>) {
+  if constexpr (kAmx<T> && Bits == 0) {
     tiles.end();
   }
 #endif
@@ -535,7 +701,37 @@ KernelFns fns_for_dtype(int head_dim) {
   }
 }
 
+// The quantized kernels: their own for head dims 64 and 128, else the generic one.
+template <typename T, int Bits>
+KernelFns quantized_fns_for_dtype(int head_dim) {
+  switch (head_dim) {
+    case 64:
+      return {attend_chunk<T, 64, Bits>, finalize<T, 64>};
+    case 128:
+      return {attend_chunk<T, 128, Bits>, finalize<T, 128>};
+    default:
+      return {attend_chunk<T, 0, Bits>, finalize<T, 0>};
+  }
+}
+
+template <int Bits>
+KernelFns quantized_fns_for_bits(Dtype dtype, int head_dim) {
+  switch (dtype) {
+    case Dtype::float16:
+      return quantized_fns_for_dtype<mx::float16_t, Bits>(head_dim);
+    case Dtype::bfloat16:
+      return quantized_fns_for_dtype<mx::bfloat16_t, Bits>(head_dim);
+    case Dtype::float32:
+      return quantized_fns_for_dtype<float, Bits>(head_dim);
+  }
+  return {nullptr, nullptr};
+}
+
 } // namespace
+
+KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits) {
+  return bits == 4 ? quantized_fns_for_bits<4>(dtype, head_dim) : quantized_fns_for_bits<8>(dtype, head_dim);
+}
 
 KernelFns kernel_fns(Dtype dtype, int head_dim) {
   switch (dtype) {

@@ -13,12 +13,26 @@ through it with continuous batching and, given a draft model, speculatively.
 import mlx.core  # noqa: F401  registers MLX's types before the extension loads
 
 from . import _ext
-from ._ext import advise_huge_pages, batched_decode_attention, metal_backend, metal_source, reference_attention
+from ._ext import (
+    advise_huge_pages,
+    batched_decode_attention,
+    metal_backend,
+    metal_source,
+    quantized_batched_decode_attention,
+    reference_attention,
+)
 
 # A malformed MBD_CPU_SPIN_US is refused here, not inside the first kernel call.
 _ext.cpu_spin_us()
 
-__all__ = ["advise_huge_pages", "batched_decode_attention", "metal_backend", "metal_source", "reference_attention"]
+__all__ = [
+    "advise_huge_pages",
+    "batched_decode_attention",
+    "metal_backend",
+    "metal_source",
+    "quantized_batched_decode_attention",
+    "reference_attention",
+]
 
 # The decode layer (issue 4): per-step context, KV caches, attention paths, mlx-lm adapter,
 # speculative decoding.
