@@ -21,7 +21,7 @@ from mlx_batched_decode.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.kv_cache import SlotKVCache  # noqa: E402
 from mlx_batched_decode.quantized_kv_cache import QuantizedSlotKVCache  # noqa: E402
 from mlx_batched_decode.random_model import random_model  # noqa: E402
-from mlx_lm_models import mlx_lm_greedy, random_prompts  # noqa: E402
+from mlx_lm_models import GPT_OSS, mlx_lm_greedy, random_prompts  # noqa: E402
 from test_decoder import FAMILIES  # noqa: E402
 from test_decoder_windows import FAMILIES as WINDOW_FAMILIES  # noqa: E402
 from test_decoder_windows import build as build_windowed  # noqa: E402
@@ -208,3 +208,41 @@ def test_rejects_bad_quantization_arguments(models):
         match=r"^\[BatchedDecoder\] kv_group_size 32 does not divide layer 0's key head dim 48",
     ):
         BatchedDecoder(windowed, kv_bits=8, kv_group_size=32)
+
+
+def test_quantized_chunked_prefill_with_sinks(monkeypatch):
+    """gpt-oss prefilled in chunks of 8 at 4 bits: from the second chunk on, its full layers
+    attend a QuantizedKVCache with sinks, which mlx-lm refuses; the op serves them. Reference:
+    the same decode with that attention in plain MLX (mx.dequantize + masked SDPA with sinks)."""
+    import mlx_batched_decode.mlx_lm_adapter as adapter
+
+    # Four layers (sliding, full, sliding, full): the first full layer's chunk attention feeds
+    # the keys and values of the layers after it.
+    model = random_model(dict(GPT_OSS, num_hidden_layers=4), seed=1)
+    for layer in model.layers:
+        layer.self_attn.sinks = 2.0 * mx.random.normal(layer.self_attn.sinks.shape)
+    mx.eval(model.parameters())
+    prompts, budgets = random_prompts([2, 30, 17]), [12, 12, 12]
+    chunk_rows = []
+    real_op = mlx_batched_decode.quantized_batched_decode_attention
+
+    def spy(queries, *args, **kwargs):
+        chunk_rows.append(queries.shape[2])
+        return real_op(queries, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(mlx_batched_decode, "quantized_batched_decode_attention", spy)
+        decoder = BatchedDecoder(model, kv_step=16, kv_bits=4, kv_group_size=32, prefill_step_size=8)
+        out = decoder.generate(prompts, budgets, max_batch_size=3)
+    # Chunks 2.. of the prefills of 29 and 16 tokens (8 + 8 + 8 + 5, 8 + 8), in 2 full layers.
+    assert sorted(r for r in chunk_rows if r > 1) == [5, 5, 8, 8, 8, 8, 8, 8]
+
+    def plain(queries, keys, values, cache, scale, mask, sinks):
+        k, v = (mx.dequantize(*t, group_size=cache.group_size, bits=cache.bits) for t in (keys, values))
+        return mx.fast.scaled_dot_product_attention(
+            queries, k, v, scale=scale, mask=mask, sinks=sinks
+        )
+
+    monkeypatch.setattr(adapter, "quantized_chunk_attention", plain)
+    decoder = BatchedDecoder(model, kv_step=16, kv_bits=4, kv_group_size=32, prefill_step_size=8)
+    assert decoder.generate(prompts, budgets, max_batch_size=3) == out

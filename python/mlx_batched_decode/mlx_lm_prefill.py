@@ -15,6 +15,7 @@ Dimension legend: H_kv = key/value heads, P = prefilled tokens, D = head dimensi
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Optional, Union
 
 import mlx.core as mx
@@ -105,19 +106,28 @@ def prefill(
     kv_group_size, quantized_kv_start=0)``: each ``KVCache`` becomes a ``QuantizedKVCache`` after
     every chunk, so the next chunk attends quantized keys, and each layer's keys and values are
     returned as ``mx.quantize`` triples; a sliding-window layer's, which mlx-lm does not quantize
-    (``RotatingKVCache.to_quantized`` is not implemented), are quantized once at the end.
+    (``RotatingKVCache.to_quantized`` is not implemented), are quantized once at the end. A layer
+    with attention sinks attends its quantized cache with ``quantized_batched_decode_attention``
+    (mlx-lm's quantized attention refuses sinks).
     """
     from mlx_lm.models.cache import KVCache
 
+    from .mlx_lm_adapter import mlx_lm_attention_modules, route_attention
+
     caches = prompt_caches(model)
-    for start in range(0, len(tokens), step_size):
-        model(mx.array(tokens[start : start + step_size], dtype=mx.int32)[None], cache=caches)
-        if kv_bits is not None:
-            caches = [
-                c.to_quantized(group_size=kv_group_size, bits=kv_bits) if type(c) is KVCache else c
-                for c in caches
-            ]
-        mx.eval([c.state for c in caches])
+    # Quantized, layers with sinks attend through our op: mlx-lm's quantized attention refuses them.
+    routing = route_attention(mlx_lm_attention_modules(model)) if kv_bits else nullcontext()
+    with routing:
+        for start in range(0, len(tokens), step_size):
+            model(mx.array(tokens[start : start + step_size], dtype=mx.int32)[None], cache=caches)
+            if kv_bits is not None:
+                caches = [
+                    c.to_quantized(group_size=kv_group_size, bits=kv_bits)
+                    if type(c) is KVCache
+                    else c
+                    for c in caches
+                ]
+            mx.eval([c.state for c in caches])
     layers = [layer_keys_values(c) for c in caches]
     if kv_bits is None:
         return layers
