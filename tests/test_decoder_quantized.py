@@ -232,13 +232,17 @@ def test_quantized_chunked_prefill_with_sinks(monkeypatch):
 
     with monkeypatch.context() as patch:
         patch.setattr(mlx_batched_decode, "quantized_batched_decode_attention", spy)
-        decoder = BatchedDecoder(model, kv_step=16, kv_bits=4, kv_group_size=32, prefill_step_size=8)
+        decoder = BatchedDecoder(
+            model, kv_step=16, kv_bits=4, kv_group_size=32, prefill_step_size=8
+        )
         out = decoder.generate(prompts, budgets, max_batch_size=3)
     # Chunks 2.. of the prefills of 29 and 16 tokens (8 + 8 + 8 + 5, 8 + 8), in 2 full layers.
     assert sorted(r for r in chunk_rows if r > 1) == [5, 5, 8, 8, 8, 8, 8, 8]
 
     def plain(queries, keys, values, cache, scale, mask, sinks):
-        k, v = (mx.dequantize(*t, group_size=cache.group_size, bits=cache.bits) for t in (keys, values))
+        k, v = (
+            mx.dequantize(*t, group_size=cache.group_size, bits=cache.bits) for t in (keys, values)
+        )
         return mx.fast.scaled_dot_product_attention(
             queries, k, v, scale=scale, mask=mask, sinks=sinks
         )

@@ -141,7 +141,8 @@ def test_write_copies_no_whole_buffer():
     mx.eval(new_keys, new_values)
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    keys, values = cache.update(new_keys, new_values, BatchedDecodeContext(slots, seq_lens, [cache]))
+    context = BatchedDecodeContext(slots, seq_lens, [cache])
+    keys, values = cache.update(new_keys, new_values, context)
     mx.eval(cache.buffers())
     assert mx.get_peak_memory() - base < smallest / 8, (mx.get_peak_memory() - base, smallest)
     for b, s in enumerate(seq_lens):

@@ -15,10 +15,12 @@ offsets, also with L > 1 tokens per request), ``update_and_fetch`` is the attent
 and ``make_mask`` returns ``None``: the causal order of the L rows, each request's length and the
 layer's window travel as the context's ``valid_lens`` and the cache's ``window``. The last call
 is a module-level function of mlx-lm that never asks its cache to attend, so ``route_attention``
-rebinds that name, in the model's own modules and only while a decode step runs, to a function
-that sends ``StepLayerCache`` layers (with their sinks) to our attention and every other cache to
-mlx-lm's original. The model's code is not changed. mlx-lm is imported lazily: the core package
-does not need it.
+rebinds that name, in the model's own modules and only while a decode step (or a quantized
+prefill) runs, to a function that sends ``StepLayerCache`` layers (with their sinks) to our
+attention, and a prefill chunk with sinks over mlx-lm's ``QuantizedKVCache`` (which mlx-lm's
+quantized attention refuses) to ``quantized_batched_decode_attention``; every other cache goes
+to mlx-lm's original. The model's code is not changed. mlx-lm is imported lazily: the core
+package does not need it.
 
 Dimension legend: B = requests in the step, L = new tokens per request in the step,
 H_q = query heads, H_kv = key/value heads, T = key/value positions, D = head dimension.

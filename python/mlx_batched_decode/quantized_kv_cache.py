@@ -76,7 +76,7 @@ class QuantizedSlotKVCache:
         return [] if self.keys is None else [*self.keys, *self.values]
 
     def quantize(self, x: mx.array) -> Triple:
-        """``x [..., D]`` -> its ``(packed, scales, biases)`` at this cache's bits and group size."""
+        """``x [..., D]`` -> its ``(packed, scales, biases)`` at this cache's bits, group size."""
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
 
     def reserve(self, slots: int, length: int, keys: Triple, values: Triple) -> None:

@@ -22,9 +22,9 @@ import mlx.nn as nn
 from .attention import DecodeAttention, QuantizedSlotAttention, SeedAttention, SlotAttention
 from .context import BatchedDecodeContext
 from .kv_cache import ContiguousKVCache, SlotKVCache
-from .quantized_kv_cache import QuantizedSlotKVCache
 from .mlx_lm_adapter import StepLayerCache, mlx_lm_attention_modules, route_attention
 from .mlx_lm_prefill import layer_windows, prefill, prompt_caches
+from .quantized_kv_cache import QuantizedSlotKVCache
 
 
 class ServedModel:
