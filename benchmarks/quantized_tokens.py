@@ -78,7 +78,7 @@ def main():
     parser.add_argument("--one-token", action="store_true", help="one-token prompts (nothing to prefill)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default all three (quick: float32)")
     parser.add_argument("--seed", type=int, default=3, help="seed of the weights")
-    parser.add_argument("--output", help="results/<name>.json (default quantized_tokens[_one_token])")
+    parser.add_argument("--output", help="results/<name>.json (default quantized_tokens[_one_token][_quick])")
     args = parser.parse_args()
 
     mx.set_default_device(mx.cpu)
@@ -108,7 +108,9 @@ def main():
             ("mlx_lm_q_vs_dense", "mlx-lm quantized = unquantized", "{}"),
         ],
     )
-    name = args.output or ("quantized_tokens_one_token" if args.one_token else "quantized_tokens")
+    name = args.output or "quantized_tokens" + ("_one_token" if args.one_token else "") + (
+        "_quick" if args.quick else ""
+    )
     path = save(name, {"machine": machine(), "prompt_lens": lens, "max_tokens": max_tokens, "rows": rows})
     print(f"\nsaved {path}")
     return 0
