@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_batched_decode import BatchedDecoder
 from mlx_batched_decode.random_model import random_model
 
-from common import machine, print_table, save
+from common import describe_machine, machine, print_table, save
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 from mlx_lm_models import mlx_lm_greedy, random_prompts  # noqa: E402
@@ -89,7 +89,8 @@ def main():
         lens = [1] * len(lens)
     max_tokens = 8 if args.quick else 32
     prompts = random_prompts(lens, seed=11 if not args.one_token else 13)
-    print(f"{machine()['cpu']}; families {list(FAMILIES)}, prompt lengths {lens}, {max_tokens} tokens each")
+    print(describe_machine(machine()))
+    print(f"families {list(FAMILIES)}, prompt lengths {lens}, {max_tokens} tokens each")
 
     rows = []
     for dtype in dtypes:
