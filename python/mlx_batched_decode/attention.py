@@ -48,7 +48,8 @@ class DecodeAttention(ABC):
     def update(
         self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """New ``[B, H_kv, L, D]`` keys/values -> the ``[B, H_kv, T, D]`` keys/values to attend."""
+        """New ``[B, H_kv, L, D]`` keys/values -> the ``[B, H_kv, T, D]`` keys/values to attend
+        (on the quantized path, their ``(packed, scales, biases)`` triples)."""
 
     @abstractmethod
     def attend(
