@@ -1,6 +1,7 @@
-"""Shared benchmark helpers: timing, machine description, read bandwidth, JSON."""
+"""Shared benchmark helpers: timing, machine description, read bandwidth, cache sizes, JSON."""
 
 import json
+import math
 import os
 import pathlib
 import platform
@@ -8,6 +9,8 @@ import threading
 import time
 
 import numpy as np
+
+from mlx_batched_decode import _ext
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -38,12 +41,46 @@ def interleaved_medians(fns, warmup=3, repeats=15):
     return [float(np.median(ts)) for ts in times]
 
 
+def llc_bytes():
+    """Bytes of last-level cache in the machine (sysfs; the extension's fallback elsewhere)."""
+    return _ext.last_level_cache_bytes()
+
+
+def rotation_sets(bytes_per_set, factor=3):
+    """How many distinct K/V buffer sets of `bytes_per_set` bytes to cycle through so that the
+    bytes cycled are at least `factor` times the last-level cache: each call then reads from
+    memory, not from what the previous calls left in the cache."""
+    return max(1, math.ceil(factor * llc_bytes() / bytes_per_set))
+
+
 class ReadBandwidth:
-    """Machine read bandwidth: all cores summing disjoint slices of a large array.
+    """Machine read bandwidth, read the way the CPU kernel reads: the extension's ReadProbe (the
+    kernel's worker pool, vector loads, four streams per thread) over 4x the last-level cache.
 
     probe() reads it once (call it in turns with the code it is compared to);
-    gbs(seconds) converts a probe's time to GB/s.
+    gbs(seconds) converts a probe's time to GB/s. huge_pages picks the page size of its buffer
+    (compare K/V on huge pages with a probe on huge pages, 4 KiB with 4 KiB).
     """
+
+    def __init__(self, huge_pages=True, nbytes=None):
+        self.reader = _ext.ReadProbe(nbytes or 4 * llc_bytes(), huge_pages)
+        self.nbytes = self.reader.nbytes
+        self.describe = {
+            "probe_bytes": self.nbytes, "probe_isa": self.reader.isa,
+            "probe_on_huge_pages": self.reader.huge_page_bytes / self.nbytes,
+        }
+
+    def probe(self):
+        self.reader.read()
+
+    def gbs(self, seconds):
+        return self.nbytes / seconds / 1e9
+
+
+class NumpyReadBandwidth:
+    """The former probe, kept as a second column: all cores running numpy.sum over disjoint slices
+    of a float64 array. On CPUs where that sum is bound by arithmetic (the Xeon of issue 18) it
+    reads below the memory's rate, so it is no yardstick on its own."""
 
     def __init__(self, nbytes=1 << 29, threads=None):
         self.nbytes = nbytes
@@ -61,16 +98,42 @@ class ReadBandwidth:
         return self.nbytes / seconds / 1e9
 
 
+# The /proc/cpuinfo flags the CPU kernel's variants and the probe choose between.
+KERNEL_FLAGS = (
+    "avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+    "amx_fp16",
+)
+
+
 def machine():
-    cpu = platform.processor()
+    """CPU model, its flags that matter to the kernel, last-level cache, kernel variant, threads."""
+    cpu, model, flags = platform.processor(), None, set()
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = (part.strip() for part in line.partition(":"))
+                if key == "model name" and cpu in ("", platform.processor()):
+                    cpu = value
+                elif key == "model" and model is None:
+                    model = int(value)
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
     except OSError:
         pass
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count()}
+    return {
+        "platform": platform.platform(), "cpu": cpu, "cpu_model": model, "cores": os.cpu_count(),
+        "flags": [f for f in KERNEL_FLAGS if f in flags], "llc_bytes": llc_bytes(),
+        "cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads(),
+    }
+
+
+def describe_machine(info):
+    """One line for the top of a table: what the figures under it ran on."""
+    model = f" (model {info['cpu_model']})" if info.get("cpu_model") is not None else ""
+    return (
+        f"{info['cpu']}{model}, {info['cores']} cores, LLC {info['llc_bytes'] / 2**20:.0f} MiB, "
+        f"flags {' '.join(info['flags']) or '-'}; kernel {info['cpu_isa']} on {info['threads']} threads"
+    )
 
 
 def save(name, payload):

@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "batched_decode_attention.h"
+#include "cpu/bandwidth_probe.h"
 #include "cpu/isa.h"
 #include "cpu/parallel_decode.h"
 #include "cpu/worker_pool.h"
@@ -225,4 +226,44 @@ Returns:
   m.def("cpu_spin_us", [] { return mbd::cpu::spin_time().count(); },
         "Microseconds an idle CPU kernel thread polls for work before it sleeps: "
         "MBD_CPU_SPIN_US, default 5000. ValueError if that variable is malformed.");
+
+  m.attr("LLC_FALLBACK_BYTES") = mbd::cpu::kFallbackLlcBytes;
+  m.def(
+      "last_level_cache_bytes",
+      [](const std::string& cpu_root) { return mbd::cpu::last_level_cache_bytes(cpu_root); },
+      "cpu_root"_a = "/sys/devices/system/cpu",
+      R"(Bytes of last-level cache in the machine.
+
+The highest-level data or unified cache listed under
+``cpu_root/cpu*/cache/index*/`` (Linux sysfs), each instance counted once
+(instances are told apart by ``shared_cpu_list``, so every L3 of a CPU with
+one per core complex counts). ``LLC_FALLBACK_BYTES`` where none is listed.)");
+
+  nb::class_<mbd::cpu::ReadProbe>(
+      m, "ReadProbe",
+      R"(The machine's read bandwidth as the CPU kernel reads memory: on the
+kernel's worker pool (all its threads), vector loads, four independent streams
+per thread, over one buffer allocated and written at construction.
+
+Time ``read()`` in turns with the code compared to it; GB/s is
+``nbytes / seconds / 1e9``.)")
+      .def(nb::init<size_t, bool, const std::string&>(), "nbytes"_a, "huge_pages"_a = true, "isa"_a = "",
+           R"(Args:
+    nbytes (int): buffer size, rounded up to whole 4 MiB; make it several
+        times ``last_level_cache_bytes()`` so that caches hold little of it.
+    huge_pages (bool): back it with transparent huge pages (Linux), else
+        keep it on 4 KiB pages.
+    isa (str): loads to use, ``"avx512"``, ``"avx2"`` or ``"baseline"``;
+        empty for the widest this CPU runs.
+
+Raises:
+    ValueError: ``isa`` names loads this CPU does not run.)")
+      .def("read", &mbd::cpu::ReadProbe::read, nb::call_guard<nb::gil_scoped_release>(),
+           "Reads every byte of the buffer once; returns the seconds it took.")
+      .def_prop_ro("nbytes", &mbd::cpu::ReadProbe::bytes, "Bytes read per call.")
+      .def_prop_ro("huge_page_bytes", &mbd::cpu::ReadProbe::huge_page_bytes,
+                   "Bytes of the buffer on huge pages now (/proc/self/smaps; 0 off Linux).")
+      .def_prop_ro("isa", &mbd::cpu::ReadProbe::isa, "Loads in use: 'avx512', 'avx2' or 'baseline'.")
+      .def_prop_ro("checksum", &mbd::cpu::ReadProbe::checksum,
+                   "XOR of the 64-bit words the last read loaded; word i of the buffer holds i.");
 }

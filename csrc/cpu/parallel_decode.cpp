@@ -37,14 +37,6 @@ int cpu_count() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// One pool for all calls and streams, so concurrent callers share a bounded
-// number of threads; never destroyed (its workers are detached), so exit does
-// not wait on it.
-WorkerPool& pool() {
-  static WorkerPool* p = new WorkerPool(max_threads() - 1, spin_time());
-  return *p;
-}
-
 struct Item {
   Chunk chunk;
   int64_t pair; // index of (b, h) in parts_begin / remaining
@@ -129,6 +121,14 @@ std::shared_ptr<Call> plan(const DecodeArgs& a) {
 
 } // namespace
 
+// One pool for all calls and streams, so concurrent callers share a bounded
+// number of threads; never destroyed (its workers are detached), so exit does
+// not wait on it.
+WorkerPool& shared_pool() {
+  static WorkerPool* p = new WorkerPool(max_threads() - 1, spin_time());
+  return *p;
+}
+
 int max_threads() {
   static const int n = cpu_count();
   return n;
@@ -163,7 +163,7 @@ void run_decode(const DecodeArgs& args) {
       ? 0
       : std::min(max_threads() - 1, n_items - 1);
   if (helpers > 0) {
-    pool().enqueue([call] { call->work(); }, helpers);
+    shared_pool().enqueue([call] { call->work(); }, helpers);
   }
   call->work();
   // The helpers' last items end within one item's time of ours: poll for

@@ -24,4 +24,9 @@ void count_tile_blocks(uint64_t n);
 // Threads that serve one call: the pool's plus the caller.
 int max_threads();
 
+// The pool of max_threads() - 1 workers that serves every call (and the
+// bandwidth probe, so that it reads on the kernel's threads).
+class WorkerPool;
+WorkerPool& shared_pool();
+
 } // namespace mlx_batched_decode::cpu
