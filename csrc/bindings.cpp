@@ -108,7 +108,7 @@ cache kept as the triples ``mx.quantize(x, group_size=group_size, bits=bits)``
 returns (mlx-lm's ``QuantizedKVCache`` layout): the result is attention over
 ``mx.dequantize`` of the keys and values, accumulated in float32. The CPU
 kernel scores against the packed integers directly and never writes a
-dequantized copy. CPU streams only for now (no Metal kernel yet).
+dequantized copy; the Metal kernel widens them in registers as it loads them.
 
 Dimension legend: B requests, H_q query heads, H_kv key/value heads
 (G = H_q / H_kv), L query rows per request, T padded length, D head dim

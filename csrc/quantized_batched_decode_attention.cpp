@@ -128,10 +128,12 @@ mx::array quantized_batched_decode_attention(
   const DecodeShape d = check_quantized_arguments(
       queries, keys, values, valid_lens, group_size, bits, scale, kv_starts, window, sinks);
   auto stream = mx::to_stream(s);
-  // The Metal kernel of the quantized layout is not written yet (the emulation harness has none to run).
+#if !defined(MLX_BATCHED_DECODE_METAL)
   if (stream.device == mx::Device::gpu) {
-    throw std::invalid_argument("[quantized_batched_decode_attention] has no Metal kernel yet; run it on a CPU stream.");
+    throw std::invalid_argument(
+        "[quantized_batched_decode_attention] this build has no Metal kernel; run it on a CPU stream.");
   }
+#endif
   std::vector<mx::array> inputs = {queries, keys[0], keys[1], keys[2], values[0], values[1], values[2],
                                    positions_as_int32(valid_lens, d.T, stream)};
   if (kv_starts) {
@@ -225,9 +227,11 @@ std::vector<mx::Shape> QuantizedBatchedDecodeAttention::output_shapes(const std:
   return {inputs[kQuantQueries].shape()};
 }
 
+#if !defined(MLX_BATCHED_DECODE_METAL)
 void QuantizedBatchedDecodeAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  // Unreachable through the op function, which rejects GPU streams.
-  throw std::runtime_error("[quantized_batched_decode_attention] has no Metal kernel yet.");
+  // Unreachable through the op function, which rejects GPU streams in this build.
+  throw std::runtime_error("[quantized_batched_decode_attention] this build has no Metal kernel.");
 }
+#endif
 
 } // namespace mlx_batched_decode

@@ -224,3 +224,54 @@ def test_compile(shapeless, kernel_calls):
     lens = mx.array(LENGTHS)
     np.testing.assert_array_equal(np.array(compiled(q, kq, vq, lens)), np.array(f(q, kq, vq, lens)))
     assert kernel_calls() == 2
+
+
+def _triples(B=2, H_kv=2, T=8, D=64, group_size=64, bits=8, dtype=mx.float16):
+    k = mx.random.normal((B, H_kv, T, D)).astype(dtype)
+    return mx.quantize(k, group_size=group_size, bits=bits), mx.quantize(k, group_size=group_size, bits=bits)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(bits=3), "bits must be 4 or 8"),
+    (dict(group_size=16), "group_size must be 32, 64 or 128"),
+    (dict(keys=lambda k: k[:2]), "keys must be a (packed, scales, biases) triple"),
+    (dict(values=lambda v: (*v, v[0])), "values must be a (packed, scales, biases) triple"),
+    (dict(keys=lambda k: (k[0].astype(mx.int32), k[1], k[2])), "packed must be uint32"),
+    (dict(keys=lambda k: (k[0][..., :8], k[1], k[2])), "packed must have shape"),
+    (dict(values=lambda v: (v[0], v[1][..., :1, :], v[2])), "scales and biases must have shape"),
+    (dict(keys=lambda k: (k[0], k[1], k[2].astype(mx.float32))), "scales and biases must share"),
+    (dict(keys=lambda k: (k[0], k[1].astype(mx.int32), k[2].astype(mx.int32))), "scales and biases must share"),
+    (dict(values=lambda v: (v[0], v[1].astype(mx.float32), v[2].astype(mx.float32))),
+     "scales of keys and values must share"),
+    (dict(queries=lambda q: mx.zeros((2, 4, 1, 128), mx.float16)), "packed must have shape"),
+    (dict(queries=lambda q: q.astype(mx.int32)), "queries must be float16, bfloat16 or float32"),
+    (dict(queries=lambda q: q[:, :3]), "must be a positive multiple"),
+    (dict(queries=lambda q: q[0]), "queries must have shape"),
+    (dict(valid_lens=mx.array([1.0, 2.0])), "valid_lens must have an integer dtype"),
+    (dict(valid_lens=mx.array([1])), "valid_lens must have shape"),
+    (dict(window=0), "window must be >= 1"),
+    (dict(sinks=mx.zeros((3,))), "sinks must have shape"),
+])
+def test_malformed_arguments(change, message):
+    (k, v), q = _triples(), mx.zeros((2, 4, 1, 64), mx.float16)
+    args = dict(queries=q, keys=k, values=v, valid_lens=mx.array([3, 8]), bits=8, group_size=64)
+    for name, value in change.items():
+        args[name] = value(args[name]) if callable(value) else value
+    with pytest.raises(ValueError, match=r"^\[quantized_batched_decode_attention\] .*" + message.replace("(", r"\(")
+                       .replace(")", r"\)")):
+        mbd.quantized_batched_decode_attention(
+            args.pop("queries"), args.pop("keys"), args.pop("values"), args.pop("valid_lens"), **args)
+
+
+def test_head_dim_must_divide_into_groups():
+    k = mx.random.normal((1, 1, 4, 96)).astype(mx.float16)
+    kq = mx.quantize(k, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="head dim 96 is not supported with group_size 64"):
+        mbd.quantized_batched_decode_attention(mx.zeros((1, 1, 1, 96), mx.float16), kq, kq, mx.array([4]),
+                                               bits=4, group_size=64)
+
+
+def test_gpu_stream_without_metal_is_rejected():
+    (k, v), q = _triples(), mx.zeros((2, 4, 1, 64), mx.float16)
+    with pytest.raises(ValueError, match="gpu"):
+        mbd.quantized_batched_decode_attention(q, k, v, mx.array([3, 8]), stream=mx.gpu)

@@ -27,6 +27,7 @@ KERNEL_TESTS = [
     "tests/test_errors.py",
     "tests/test_adversarial.py",
     "tests/test_concurrency.py",
+    "tests/test_quantized_attention.py",
 ]
 
 

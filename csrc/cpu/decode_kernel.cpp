@@ -1,6 +1,7 @@
 // The CPU decode attention kernel. This file is compiled once per instruction
 // set (see CMakeLists.txt); MBD_CPU_ISA names the namespace of each copy.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -338,8 +339,8 @@ template <typename T>
 thread_local AmxItem<T> tls_tiles;
 #endif
 
-// The quantized row source's per-thread scratch: a block's packed rows (in
-// place, or gathered from a strided last axis), the scales and biases of its
+// The quantized row source's per-thread scratch: a block's packed rows
+// gathered from a strided last axis, the scales and biases of its
 // keys and values as float32, group-major [4][groups, kBlock] (key scales, key
 // biases, value scales, value biases), the query rows' sums per group
 // [R, groups], and per block each row's weights times the value scales
@@ -350,7 +351,6 @@ struct QuantizedScratch {
   std::vector<float> qsum;
   std::vector<float> ws;
   std::vector<float> bias_sum;
-  const uint32_t* rows[kBlock];
 
   void reserve(int R, int words_per_row, int groups) {
     Scratch<float>::grow(words, static_cast<size_t>(kBlock) * words_per_row);
@@ -363,46 +363,48 @@ struct QuantizedScratch {
 
 thread_local QuantizedScratch tls_quantized;
 
-inline float scalar_to_float(Dtype dtype, const void* base, int64_t i) {
-  switch (dtype) {
-    case Dtype::float16:
-      return static_cast<float>(static_cast<const mx::float16_t*>(base)[i]);
-    case Dtype::bfloat16:
-      return static_cast<float>(static_cast<const mx::bfloat16_t*>(base)[i]);
-    default:
-      return static_cast<const float*>(base)[i];
+// Elements first + j * step of a float16, bfloat16 or float32 array as float32, for j < n.
+template <typename S>
+void widen_strided(const void* base, int64_t first, int64_t step, int n, float* out) {
+  const S* x = static_cast<const S*>(base) + first;
+  for (int j = 0; j < n; ++j) {
+    if constexpr (std::is_same_v<S, mx::float16_t>) {
+      out[j] = half_bits_to_float(std::bit_cast<uint16_t>(x[j * step]));
+    } else if constexpr (std::is_same_v<S, mx::bfloat16_t>) {
+      out[j] = std::bit_cast<float>(static_cast<uint32_t>(std::bit_cast<uint16_t>(x[j * step])) << 16);
+    } else {
+      out[j] = x[j * step];
+    }
   }
 }
 
-// Points s.rows at the packed rows [t, t + n) of (b, h) of the keys (side 0)
+// Points rows at the packed rows [t, t + n) of (b, h) of the keys (side 0)
 // or values (side 1) and widens their scales and biases into s.sb; rows n to
 // the next multiple of 4 repeat row n - 1 (as load_block), and their scales
-// and biases are 0. The rows one block on are requested from memory.
+// and biases are 0. Returns the rows one block on, for the loops to request
+// from memory a row at a time (a burst of requests stalls on the core's miss
+// buffers); none for gathered rows.
 template <int Bits>
-void load_quantized_block(const DecodeArgs& a, int side, int b, int h, int t, int n, int end, QuantizedScratch& s) {
+Lookahead load_quantized_block(const DecodeArgs& a, int side, int b, int h, int t, int n, int end,
+                               QuantizedScratch& s, const uint32_t** rows) {
   const QuantizedRows& qr = a.quant;
   const int words = a.D * Bits / 32, groups = qr.groups(a.D);
   const int64_t* stride = side ? a.v_stride : a.k_stride;
   const uint32_t* head = static_cast<const uint32_t*>(side ? a.values : a.keys) + b * stride[0] + h * stride[1];
   for (int j = 0; j < n; ++j) {
     const uint32_t* row = head + (t + j) * stride[2];
-    if (t + j + kBlock < end) {
-      for (int byte = 0; byte < words * 4; byte += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(row + kBlock * stride[2]) + byte, 0, 1);
-      }
-    }
     if (stride[3] == 1) {
-      s.rows[j] = row;
+      rows[j] = row;
       continue;
     }
     uint32_t* copy = s.words.data() + j * words;
     for (int w = 0; w < words; ++w) {
       copy[w] = row[w * stride[3]];
     }
-    s.rows[j] = copy;
+    rows[j] = copy;
   }
   for (int j = n; j % 4 != 0; ++j) {
-    s.rows[j] = s.rows[n - 1];
+    rows[j] = rows[n - 1];
   }
   for (int kind = 0; kind < 2; ++kind) {
     const void* base = kind ? qr.biases[side] : qr.scales[side];
@@ -410,10 +412,32 @@ void load_quantized_block(const DecodeArgs& a, int side, int b, int h, int t, in
     float* out = s.sb.data() + (2 * side + kind) * groups * kBlock;
     const int64_t first = b * st[0] + h * st[1] + int64_t{t} * st[2];
     for (int g = 0; g < groups; ++g) {
-      for (int j = 0; j < n; ++j) {
-        out[g * kBlock + j] = scalar_to_float(qr.scales_dtype, base, first + j * st[2] + g * st[3]);
+      float* o = out + g * kBlock;
+      switch (qr.scales_dtype) {
+        case Dtype::float16:
+          widen_strided<mx::float16_t>(base, first + g * st[3], st[2], n, o);
+          break;
+        case Dtype::bfloat16:
+          widen_strided<mx::bfloat16_t>(base, first + g * st[3], st[2], n, o);
+          break;
+        case Dtype::float32:
+          widen_strided<float>(base, first + g * st[3], st[2], n, o);
+          break;
       }
-      std::fill(out + g * kBlock + n, out + (g + 1) * kBlock, 0.0f);
+      std::fill(o + n, o + kBlock, 0.0f);
+    }
+  }
+  if (stride[3] != 1) {
+    return {};
+  }
+  return {kBlock * stride[2], std::clamp(end - t - kBlock, 0, kBlock)};
+}
+
+// Requests the lines of packed row `row + ahead.offset` when row j has a successor.
+inline void prefetch_packed_row(const uint32_t* row, int j, int words, Lookahead ahead) {
+  if (j < ahead.rows) {
+    for (int byte = 0; byte < words * 4; byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(row + ahead.offset) + byte, 0, 1);
     }
   }
 }
@@ -424,14 +448,21 @@ template <int Bits, int D>
 void score_quantized_block(const DecodeArgs& a, const float* qs, int b, int h, int t, int n, int end, float* scores,
                            QuantizedScratch& s) {
   const int Dp = D ? D : a.Dp, groups = a.quant.groups(a.D);
-  load_quantized_block<Bits>(a, 0, b, h, t, n, end, s);
+  // Locals, not members of the thread_local scratch: GCC recomputes the
+  // address of a thread_local (a call) in the loops that read it.
+  const uint32_t* rows[kBlock];
+  const Lookahead ahead = load_quantized_block<Bits>(a, 0, b, h, t, n, end, s, rows);
+  const float* qsum = s.qsum.data();
   const float* scales = s.sb.data();
   const float* biases = scales + groups * kBlock;
+  const int words = a.D * Bits / 32, group_size = a.quant.group_size;
   for (int j = 0; j < n; j += kQuantKeys) {
-    for_row_tiles<2>(a.rows(), [&]<int H>(int r) {
-      dot_rows_quantized<Bits, D, H, kQuantKeys>(qs + r * Dp, s.qsum.data() + r * groups, s.rows + j, scales + j,
-                                                 biases + j, kBlock, scores + r * kBlock + j, kBlock, Dp,
-                                                 a.quant.group_size);
+    for (int c = 0; c < kQuantKeys; ++c) {
+      prefetch_packed_row(rows[j + c], j + c, words, ahead);
+    }
+    for_row_tiles<4>(a.rows(), [&]<int H>(int r) {
+      dot_rows_quantized<Bits, D, H, kQuantKeys>(qs + r * Dp, qsum + r * groups, rows + j, scales + j, biases + j,
+                                                 kBlock, scores + r * kBlock + j, kBlock, Dp, group_size);
     });
   }
 }
@@ -443,7 +474,8 @@ void accumulate_quantized_block(const DecodeArgs& a, int b, int h, int t, int n,
                                 const float* alpha, const uint32_t* masks, bool masked, float* acc,
                                 QuantizedScratch& s) {
   const int Dp = D ? D : a.Dp, groups = a.quant.groups(a.D), R = a.rows();
-  load_quantized_block<Bits>(a, 1, b, h, t, n, end, s);
+  const uint32_t* rows[kBlock];
+  const Lookahead ahead = load_quantized_block<Bits>(a, 1, b, h, t, n, end, s, rows);
   const float* scales = s.sb.data() + 2 * groups * kBlock;
   const float* biases = scales + groups * kBlock;
   for (int r = 0; r < R; ++r) {
@@ -455,19 +487,29 @@ void accumulate_quantized_block(const DecodeArgs& a, int b, int h, int t, int n,
       float sum = 0.0f;
       for (int j = 0; j < n; ++j) {
         ws[j] = wr[j] * sg[j];
+      }
+      if (masked) {
         // A key outside the row's range adds nothing, not 0 * NaN.
-        if (!masked || (masks[r] >> j & 1u)) {
+        for (int j = 0; j < n; ++j) {
+          sum += masks[r] >> j & 1u ? wr[j] * bg[j] : 0.0f;
+        }
+      } else {
+        for (int j = 0; j < n; ++j) {
           sum += wr[j] * bg[j];
         }
       }
       s.bias_sum[r * groups + g] = sum;
     }
   }
+  // Locals, as rows: see score_quantized_block.
+  const float* ws = s.ws.data();
+  const float* bias_sum = s.bias_sum.data();
+  const int words = a.D * Bits / 32, group_size = a.quant.group_size;
   auto tile = [&]<bool Masked>() {
     for_row_tiles<4>(R, [&]<int H>(int r) {
-      accumulate_rows_quantized<Bits, D, H, Masked>(acc + r * Dp, alpha + r, s.ws.data() + r * groups * kBlock,
-                                                    kBlock, s.bias_sum.data() + r * groups, s.rows, n, Dp,
-                                                    a.quant.group_size, masks + r);
+      accumulate_rows_quantized<Bits, D, H, Masked>(acc + r * Dp, alpha + r, ws + r * groups * kBlock, kBlock,
+                                                    bias_sum + r * groups, rows, n, Dp, group_size, masks + r,
+                                                    words, r == 0 ? ahead : Lookahead{});
     });
   };
   if (masked) {

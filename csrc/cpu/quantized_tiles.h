@@ -3,6 +3,8 @@
 // for its unsigned integer w): scores against the integers directly and the
 // weighted sum of value rows. The integers are widened to float32 in
 // registers; no row is dequantized to memory.
+//
+// Generic vector code: with 8 lanes where AVX-512 is missing, else 16.
 #pragma once
 
 #include <cstdint>
@@ -13,30 +15,100 @@
 
 namespace mlx_batched_decode::cpu {
 
-// Key rows one score tile reads: 4 where AVX-512VL's 32 registers hold the
-// tile's 2 x 4 group sums and 2 x 4 totals, else 2.
-#if defined(__AVX512VL__)
-inline constexpr int kQuantKeys = 4;
+// The loops' float32 vector: 16 lanes where AVX-512 has them (half the
+// instructions per element: these loops are bound by arithmetic, not
+// memory), else f32x8.
+#if defined(__AVX512F__)
+typedef float qvec __attribute__((vector_size(64)));
 #else
+typedef f32x8 qvec;
+#endif
+inline constexpr int kLanes = sizeof(qvec) / sizeof(float);
+
+inline qvec qload(const float* p) {
+  qvec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void qstore(float* p, qvec v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// A loop over the lanes compiles to one masked broadcast per lane.
+inline qvec qsplat(float s) {
+#if defined(__AVX512F__)
+  return (qvec)_mm512_set1_ps(s);
+#else
+  return splat(s);
+#endif
+}
+
+inline float qreduce(qvec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  return sum8(v);
+#endif
+}
+
+// Returns v, loaded into a register once (see in_register).
+inline qvec qregister(qvec v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__AVX__)
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
+// Key rows one score tile of up to 4 query rows reads: 2 where AVX-512's 32
+// registers hold the tile's 4 x 2 group sums and 4 x 2 totals, else 1. Each
+// widened chunk of a key then serves all 4 rows.
+#if defined(__AVX512F__)
 inline constexpr int kQuantKeys = 2;
+#else
+inline constexpr int kQuantKeys = 1;
 #endif
 
-// Elements i .. i + 7 (i a multiple of 8) of a row of Bits-wide integers
-// packed into uint32 words, least significant first, as float32.
+// Elements i .. i + kLanes - 1 (i a multiple of kLanes) of a row of
+// Bits-wide integers packed into uint32 words, least significant first, as
+// float32.
 template <int Bits>
-inline f32x8 widen8(const uint32_t* row, int i) {
+inline qvec widen(const uint32_t* row, int i) {
   static_assert(Bits == 4 || Bits == 8);
-  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row) + static_cast<unsigned>(i) * Bits / 8;
+#if defined(__AVX512F__)
   if constexpr (Bits == 8) {
-    typedef uint8_t u8x8 __attribute__((vector_size(8)));
-    u8x8 bytes;
-    std::memcpy(&bytes, reinterpret_cast<const uint8_t*>(row) + i, sizeof(bytes));
-    return __builtin_convertvector(__builtin_convertvector(bytes, i32x8), f32x8);
+    return (qvec)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
   } else {
-    const uint32_t w = row[i / 8];
-    const u32x8 nibbles = (u32x8{w, w, w, w, w, w, w, w} >> u32x8{0, 4, 8, 12, 16, 20, 24, 28}) & 15u;
-    return __builtin_convertvector((i32x8)nibbles, f32x8);
+    // Each byte twice, then its low nibble in even lanes and its high one in odd lanes.
+    const __m128i twice = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)),
+                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+    const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+    const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(twice), shifts),
+                                             _mm512_set1_epi32(15));
+    return (qvec)_mm512_cvtepi32_ps(nibbles);
   }
+#elif defined(__AVX2__)
+  if constexpr (Bits == 8) {
+    // GCC lowers the generic widening of 8 bytes to scalar inserts.
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes))));
+  } else {
+    uint32_t w;
+    std::memcpy(&w, bytes, sizeof(w));
+    const __m256i nibbles = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+        _mm256_set1_epi32(15));
+    return _mm256_cvtepi32_ps(nibbles);
+  }
+#else
+  qvec v;
+  for (int e = 0; e < kLanes; ++e) {
+    v[e] = static_cast<float>(Bits == 8 ? bytes[e] : (bytes[e / 2] >> (4 * (e % 2))) & 15);
+  }
+  return v;
+#endif
 }
 
 // Scores of a tile of H query rows against C key rows of integers:
@@ -60,24 +132,24 @@ inline void dot_rows_quantized(
     int group_size) {
   const int Dn = D ? D : dim;
   const int groups = Dn / group_size;
-  f32x8 total[H][C] = {};
+  qvec total[H][C] = {};
   float bias[H][C] = {};
   for (int g = 0; g < groups; ++g) {
-    f32x8 s[H][C] = {};
-    for (int i = g * group_size; i < (g + 1) * group_size; i += 8) {
-      f32x8 k[C];
+    qvec s[H][C] = {};
+    for (int i = g * group_size; i < (g + 1) * group_size; i += kLanes) {
+      qvec k[C];
       for (int c = 0; c < C; ++c) {
-        k[c] = widen8<Bits>(rows[c], i);
+        k[c] = widen<Bits>(rows[c], i);
       }
       for (int h = 0; h < H; ++h) {
-        const f32x8 qh = in_register(load8(q + h * Dn + i));
+        const qvec qh = qregister(qload(q + h * Dn + i));
         for (int c = 0; c < C; ++c) {
           s[h][c] += qh * k[c];
         }
       }
     }
     for (int c = 0; c < C; ++c) {
-      const f32x8 sc = splat(scales[g * sb_stride + c]);
+      const qvec sc = qsplat(scales[g * sb_stride + c]);
       const float bc = biases[g * sb_stride + c];
       for (int h = 0; h < H; ++h) {
         total[h][c] += s[h][c] * sc;
@@ -87,7 +159,7 @@ inline void dot_rows_quantized(
   }
   for (int h = 0; h < H; ++h) {
     for (int c = 0; c < C; ++c) {
-      out[h * out_stride + c] = sum8(total[h][c]) + bias[h][c];
+      out[h * out_stride + c] = qreduce(total[h][c]) + bias[h][c];
     }
   }
 }
@@ -99,7 +171,8 @@ inline void dot_rows_quantized(
 // the row's scale of the group and bias_sum the weighted biases of the group.
 // As accumulate_rows, a slice of acc stays in registers over all n rows;
 // slices are at most 32 elements, so that each lies in one group. Masked:
-// row j joins acc[h] only where bit j of masks[h] is set.
+// row j joins acc[h] only where bit j of masks[h] is set. The first slice
+// requests the lines of each row's successor (words per row), see Lookahead.
 template <int Bits, int D, int H, bool Masked>
 inline void accumulate_rows_quantized(
     float* acc,
@@ -111,23 +184,31 @@ inline void accumulate_rows_quantized(
     int n,
     int dim,
     int group_size,
-    const uint32_t* masks) {
-  constexpr int W = slice_vectors(D, H) < 4 ? slice_vectors(D, H) : 4;
+    const uint32_t* masks,
+    int words,
+    Lookahead ahead) {
+  // Vectors per slice: at most 32 elements, and dividing the row.
+  constexpr int W = kLanes == 16 ? 2 : (slice_vectors(D, H) < 4 ? slice_vectors(D, H) : 4);
   const int Dn = D ? D : dim;
   const int groups = Dn / group_size;
-  for (int i = 0; i < Dn; i += 8 * W) {
+  for (int i = 0; i < Dn; i += kLanes * W) {
     const int g = i / group_size;
-    f32x8 a[H][W];
+    qvec a[H][W];
     for (int h = 0; h < H; ++h) {
-      const f32x8 bias = splat(bias_sum[h * groups + g]);
+      const qvec bias = qsplat(bias_sum[h * groups + g]);
       for (int c = 0; c < W; ++c) {
-        a[h][c] = load8(acc + h * Dn + i + 8 * c) * alpha[h] + bias;
+        a[h][c] = qload(acc + h * Dn + i + kLanes * c) * alpha[h] + bias;
       }
     }
     for (int j = 0; j < n; ++j) {
-      f32x8 v[W];
+      if (i == 0 && j < ahead.rows) {
+        for (int byte = 0; byte < words * 4; byte += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(rows[j] + ahead.offset) + byte, 0, 1);
+        }
+      }
+      qvec v[W];
       for (int c = 0; c < W; ++c) {
-        v[c] = widen8<Bits>(rows[j], i + 8 * c);
+        v[c] = widen<Bits>(rows[j], i + kLanes * c);
       }
       for (int h = 0; h < H; ++h) {
         if constexpr (Masked) {
@@ -135,7 +216,7 @@ inline void accumulate_rows_quantized(
             continue;
           }
         }
-        const f32x8 wh = splat(ws[(h * groups + g) * ws_stride + j]);
+        const qvec wh = qsplat(ws[(h * groups + g) * ws_stride + j]);
         for (int c = 0; c < W; ++c) {
           a[h][c] += wh * v[c];
         }
@@ -143,7 +224,7 @@ inline void accumulate_rows_quantized(
     }
     for (int h = 0; h < H; ++h) {
       for (int c = 0; c < W; ++c) {
-        store8(acc + h * Dn + i + 8 * c, a[h][c]);
+        qstore(acc + h * Dn + i + kLanes * c, a[h][c]);
       }
     }
   }
