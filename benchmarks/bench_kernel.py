@@ -5,24 +5,30 @@ Per row: median ms per layer call, GB/s of valid K/V bytes
 (sum_b valid_lens[b] * H_kv * D * 2 * itemsize), that as a fraction of the
 machine's read bandwidth, speedup over each peer, and the max error of the
 timed output against the reference. Each simulated layer has its own K/V
-buffers, so caches do not flatter the figures. Each skewed batch (one request
-of 2048, the rest 64) is paired with a uniform one of the same total bytes
-("matched"), padded to the same length so that their buffers are alike (a
-small buffer has fewer whole huge pages); "/ matched" is the ratio of their
-times.
+buffers, and there are enough layers that the bytes cycled through are at
+least 3x the last-level cache (common.rotation_sets; capped by --memory-gb,
+the row then says by how much it fell short), so no call finds its K/V in
+cache. Each skewed batch (one request of 2048, the rest 64) is paired with a
+uniform one of the same total bytes ("matched"), padded to the same length so
+that their buffers are alike (a small buffer has fewer whole huge pages);
+"/ matched" is the ratio of their times.
 
 K/V live on transparent huge pages, as SlotKVCache keeps them on Linux
 (mlx_batched_decode.advise_huge_pages); --small-pages leaves them on MLX's
 default 4 KiB pages. Each row records the fraction that sat on huge pages.
 
-Memory speed on a shared machine drifts, so the kernel is timed in turns with
-a read-bandwidth probe (and a skewed batch with its matched one): "of bw" is
-the kernel's GB/s over the probe's, both measured in the same seconds. With
---rounds N every row is measured N times, on fresh buffers, the rounds spread
-over the run; each figure is the median of its N values (peers: first round).
+"of bw" is the kernel's GB/s over the native read-bandwidth probe's
+(common.ReadBandwidth: the kernel's threads streaming 4x the last-level cache,
+on huge pages), the two timed in turns so that a shared machine's drifting
+memory speed hits both alike; "numpy bw" is the former numpy probe, timed in
+the same turns, for comparison only. With --rounds N every row is measured N
+times, on fresh buffers, the rounds spread over the run; each figure is the
+median of its N values (peers: first round).
 
-    python benchmarks/bench_kernel.py            # full matrix (about 45 minutes)
-    python benchmarks/bench_kernel.py --quick    # the target rows, 5 rounds (about 5 minutes)
+    python benchmarks/bench_kernel.py --quick    # Llama-3-8B heads, B=8 512-2048, 3 dtypes (under a minute)
+    python benchmarks/bench_kernel.py            # full matrix (long)
+
+Issue 18's targets (both page sizes against the same probe) are bench_pages.py's table.
 """
 
 import argparse
@@ -34,7 +40,10 @@ import numpy as np
 import mlx_batched_decode as mbd
 from mlx_batched_decode import _ext
 
-from common import ReadBandwidth, interleaved_medians, machine, median_seconds, print_table, save
+from common import (
+    NumpyReadBandwidth, ReadBandwidth, describe_machine, interleaved_medians, llc_bytes, machine, median_seconds,
+    print_table, rotation_sets, save,
+)
 
 HEADS = {"llama3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "mha": (32, 32, 128)}
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -68,10 +77,11 @@ def torch_sdpa():
 
 
 class Case:
-    """Padded inputs of one row: q [B, H_q, 1, D], `layers` pairs of K/V [B, H_kv, T, D],
-    T the longest length unless given."""
+    """Padded inputs of one row: q [B, H_q, 1, D] and `layers` pairs of K/V [B, H_kv, T, D]
+    (default: enough that their valid bytes are >= 3x the last-level cache, at most
+    `memory_gb` GB of buffers), T the longest length unless given."""
 
-    def __init__(self, heads, B, kind, dtype_name, layers, huge_pages, T=None):
+    def __init__(self, heads, B, kind, dtype_name, layers, huge_pages, T=None, memory_gb=6.0):
         H_q, H_kv, D = heads
         self.dtype_name = dtype_name
         dtype = DTYPES[dtype_name]
@@ -79,22 +89,26 @@ class Case:
         T = T or int(self.lens_np.max())
         self.lens = mx.array(self.lens_np, dtype=mx.int32)
         self.q = mx.random.normal((B, H_q, 1, D)).astype(dtype)
-        self.kv = [
-            (mx.random.normal((B, H_kv, T, D)).astype(dtype), mx.random.normal((B, H_kv, T, D)).astype(dtype))
-            for _ in range(layers)
-        ]
+        valid_bytes = int(self.lens_np.sum()) * H_kv * D * 2 * self.q.itemsize
+        buffer_bytes = B * H_kv * T * D * 2 * self.q.itemsize
+        if layers is None:
+            layers = min(rotation_sets(valid_bytes), max(1, int(memory_gb * 1e9 // buffer_bytes)))
+        k, v = (mx.random.normal((B, H_kv, T, D)).astype(dtype) for _ in range(2))
+        # Each layer its own buffers; odd layers negated (exact), so that the check sees two contents.
+        self.kv = [(k, v) if i == 0 else (k * (-1) ** i, v * (-1) ** i) for i in range(layers)]
         self.mask = mx.arange(T)[None, None, None, :] < self.lens[:, None, None, None]
         mx.eval(self.q, self.kv, self.mask)
         on_huge = sum(mbd.advise_huge_pages(a) for kv in self.kv for a in kv) if huge_pages else 0
         self.scale = 1.0 / math.sqrt(D)
-        valid_bytes = int(self.lens_np.sum()) * H_kv * D * 2 * self.q.itemsize
         self.row = {
             "heads": heads, "B": B, "lengths": kind, "dtype": dtype_name, "T": T, "valid_bytes": valid_bytes,
-            "kv_on_huge_pages": on_huge / sum(a.nbytes for kv in self.kv for a in kv),
+            "layers": layers, "bytes_rotated": valid_bytes * layers, "llc_bytes": llc_bytes(),
+            "rotated_x_llc": valid_bytes * layers / llc_bytes(),
+            "kv_on_huge_pages": on_huge / (buffer_bytes * layers),
         }
 
-    def ours(self):
-        return [mbd.batched_decode_attention(self.q, k, v, self.lens) for k, v in self.kv]
+    def ours(self, layers=None):
+        return [mbd.batched_decode_attention(self.q, k, v, self.lens) for k, v in self.kv[:layers]]
 
     def run_ours(self):
         mx.eval(self.ours())
@@ -103,16 +117,19 @@ class Case:
         return [mx.fast.scaled_dot_product_attention(self.q, k, v, scale=self.scale, mask=self.mask) for k, v in self.kv]
 
 
-def finish_row(case, seconds, bandwidth, peers):
-    """The row of a case timed at `seconds` per call of all layers, beside a probe of `bandwidth` GB/s."""
+def finish_row(case, seconds, bandwidth, peers, numpy_bandwidth=None):
+    """The row of a case timed at `seconds` per call of all layers, beside a probe of `bandwidth` GB/s
+    (and the numpy probe's `numpy_bandwidth`, when timed)."""
     row, layers = case.row, len(case.kv)
     t = seconds / layers
     gbs = row["valid_bytes"] / t / 1e9
     row.update(ms=t * 1e3, gbs=gbs, bw_gbs=bandwidth, frac_bw=gbs / bandwidth)
+    if numpy_bandwidth is not None:
+        row.update(numpy_bw_gbs=numpy_bandwidth, frac_numpy_bw=gbs / numpy_bandwidth)
 
-    # The timed output, checked against the reference on every layer's inputs.
+    # The timed output, checked against the reference on both contents the layers hold.
     err = 0.0
-    for out, (k, v) in zip(case.ours(), case.kv):
+    for out, (k, v) in zip(case.ours(2), case.kv[:2]):
         ref = mbd.reference_attention(case.q, k, v, case.lens)
         err = max(err, mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item())
     row["max_err"] = err
@@ -136,19 +153,20 @@ def finish_row(case, seconds, bandwidth, peers):
     return row
 
 
-def bench_group(heads, B, kinds, dtype_name, layers, huge_pages, peers, probe):
-    """Rows for `kinds` of one shape, timed in turns with each other and the probe."""
+def bench_group(heads, B, kinds, dtype_name, layers, huge_pages, peers, probes, memory_gb):
+    """Rows for `kinds` of one shape, timed in turns with each other and the probes
+    (the native one, then optionally the numpy one)."""
     T = max(int(lengths(kind, B).max()) for kind in kinds)
-    cases = [Case(heads, B, kind, dtype_name, layers, huge_pages, T) for kind in kinds]
-    *seconds, probe_s = interleaved_medians([c.run_ours for c in cases] + [probe.probe])
-    bandwidth = probe.gbs(probe_s)
-    rows = [finish_row(c, t, bandwidth, peers) for c, t in zip(cases, seconds)]
+    cases = [Case(heads, B, kind, dtype_name, layers, huge_pages, T, memory_gb / len(kinds)) for kind in kinds]
+    seconds = interleaved_medians([c.run_ours for c in cases] + [p.probe for p in probes])
+    bandwidths = [p.gbs(t) for p, t in zip(probes, seconds[len(cases):])] + [None]
+    rows = [finish_row(c, t, bandwidths[0], peers, bandwidths[1]) for c, t in zip(cases, seconds)]
     if kinds == ("skewed", "matched"):
         rows[0]["vs_matched"] = rows[0]["ms"] / rows[1]["ms"]
     return rows
 
 
-MEASURED = ("ms", "gbs", "bw_gbs", "frac_bw", "vs_matched", "max_err")
+MEASURED = ("ms", "gbs", "bw_gbs", "frac_bw", "numpy_bw_gbs", "frac_numpy_bw", "vs_matched", "max_err")
 
 
 def median_of_rounds(rounds):
@@ -171,33 +189,33 @@ def median_of_rounds(rounds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--quick", action="store_true",
-        help="the target rows: llama3-8b heads, B=8 512-2048, B=8 skewed/matched, B=1 8k; all dtypes",
-    )
-    parser.add_argument("--rounds", type=int, help="measurements per row, median reported (default: 5 quick, 1 full)")
-    parser.add_argument("--layers", type=int, default=4, help="distinct K/V buffers cycled per timing")
+    parser.add_argument("--quick", action="store_true", help="llama3-8b heads, B=8 512-2048, all dtypes, no peers")
+    parser.add_argument("--rounds", type=int, default=1, help="measurements per row, median reported")
+    parser.add_argument("--layers", type=int, help="distinct K/V buffers cycled per timing (default: >= 3x the LLC)")
+    parser.add_argument("--memory-gb", type=float, default=6.0, help="most GB of K/V buffers per group (default 6)")
     parser.add_argument("--no-sdpa", action="store_true", help="skip the mx.fast SDPA peer (slow on CPU)")
+    parser.add_argument("--no-numpy-probe", action="store_true", help="skip the numpy read-bandwidth column")
     parser.add_argument("--heads", nargs="+", choices=HEADS, default=list(HEADS), help="head layouts of the full matrix")
     parser.add_argument("--small-pages", action="store_true", help="leave K/V on 4 KiB pages (no advise_huge_pages)")
+    parser.add_argument("--isa", choices=_ext.cpu_isas(), help="CPU kernel variant (default: the best this CPU runs)")
     parser.add_argument("--output", default="kernel", help="results/<name>.json")
     args = parser.parse_args()
 
     mx.set_default_device(mx.cpu)
+    if args.isa:
+        _ext.set_cpu_isa(args.isa)
     probe = ReadBandwidth()
-    info = machine() | {
-        "cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads(), "kv_pages": "small" if args.small_pages else "huge"
-    }
-    print(f"{info['cpu']}, {info['cores']} cores, kernel {info['cpu_isa']}, K/V on {info['kv_pages']} pages")
+    probes = [probe] if args.no_numpy_probe else [probe, NumpyReadBandwidth()]
+    info = machine() | {"kv_pages": "small" if args.small_pages else "huge"} | probe.describe
+    print(f"{describe_machine(info)}; K/V on {info['kv_pages']} pages; probe {probe.nbytes / 2**20:.0f} MiB")
 
-    peers = {} if args.no_sdpa else {"sdpa": True}
+    peers = {} if args.no_sdpa or args.quick else {"sdpa": True}
     torch = torch_sdpa()
-    if torch is not None:
+    if torch is not None and "sdpa" in peers:
         peers["torch"] = torch
 
     if args.quick:
-        shapes = ((8, ("uniform",)), (8, ("skewed", "matched")), (1, ("long",)))
-        groups = [("llama3-8b", B, kinds, d) for B, kinds in shapes for d in DTYPES]
+        groups = [("llama3-8b", 8, ("uniform",), d) for d in DTYPES]
     else:
         groups = [
             (h, B, kinds, d)
@@ -206,30 +224,35 @@ def main():
             for kinds in (("uniform",), ("skewed", "matched") if B > 1 else ("long",))
             for d in DTYPES
         ]
-    rounds = args.rounds or (5 if args.quick else 1)
+    rounds = args.rounds
     info["rounds"] = rounds
     measured = [[] for _ in groups]  # per group, one list of rows per round
     for r in range(rounds):
         for i, (h, B, kinds, d) in enumerate(groups):
-            group_rows = bench_group(HEADS[h], B, kinds, d, args.layers, not args.small_pages, peers if r == 0 else {}, probe)
+            group_rows = bench_group(
+                HEADS[h], B, kinds, d, args.layers, not args.small_pages, peers if r == 0 else {}, probes, args.memory_gb
+            )
             measured[i].append(group_rows)
             for row in group_rows:
                 row["heads"] = h
                 print(
                     f"[round {r + 1}/{rounds}, {i + 1}/{len(groups)}] {h} B={B} {row['lengths']} {d}: {row['ms']:.3f} ms, "
-                    f"{row['gbs']:.2f} GB/s, {row['frac_bw']:.0%} of {row['bw_gbs']:.1f} GB/s",
+                    f"{row['gbs']:.2f} GB/s, {row['frac_bw']:.0%} of {row['bw_gbs']:.1f} GB/s, "
+                    f"{row['layers']} layers = {row['rotated_x_llc']:.1f}x LLC",
                     flush=True,
                 )
     rows = [row for group_rounds in measured for row in median_of_rounds(group_rounds)]
     info["read_bandwidth_gbs"] = float(np.median([r["bw_gbs"] for r in rows]))
 
     print()
+    print(describe_machine(info))
     print_table(
         rows,
         [
             ("heads", "heads", "{}"), ("B", "B", "{}"), ("lengths", "lengths", "{}"), ("dtype", "dtype", "{}"),
             ("ms", "ms", "{:.3f}"), ("gbs", "GB/s", "{:.2f}"), ("bw_gbs", "bw GB/s", "{:.1f}"), ("frac_bw", "of bw", "{:.0%}"),
-            ("vs_matched", "/ matched", "{:.2f}"),
+            ("numpy_bw_gbs", "numpy bw", "{:.1f}"), ("frac_numpy_bw", "of numpy", "{:.0%}"),
+            ("rotated_x_llc", "x LLC", "{:.1f}"), ("vs_matched", "/ matched", "{:.2f}"),
             ("sdpa_ms", "sdpa ms", "{:.2f}"), ("sdpa_gbs", "sdpa GB/s", "{:.2f}"), ("vs_sdpa", "x sdpa", "{:.1f}"),
             ("torch_ms", "torch ms", "{:.2f}"), ("vs_torch", "x torch", "{:.1f}"), ("max_err", "max err", "{:.1e}"),
         ],

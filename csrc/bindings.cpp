@@ -215,7 +215,7 @@ Returns:
   m.def("cpu_tile_blocks", &mbd::cpu::tile_blocks,
         "Number of 32-key blocks the CPU kernel has computed on AMX tiles in this process.");
   m.def("cpu_isa", &mbd::cpu::current_isa,
-        "Instruction-set variant of the CPU kernel in use: 'baseline', 'avx2', 'avx512bf16' or 'amx'.");
+        "Instruction-set variant of the CPU kernel in use: 'baseline', 'avx2', 'avx512bf16', 'avx512fp16' or 'amx'.");
   m.def("cpu_isas", &mbd::cpu::available_isas,
         "CPU kernel variants this build has and this CPU supports, best last.");
   m.def("set_cpu_isa", &mbd::cpu::set_isa, "name"_a,

@@ -16,6 +16,7 @@
 #include "cpu/parallel_decode.h"
 #include "cpu/quantized_tiles.h"
 #include "cpu/tiles.h"
+#include "cpu/tiles16.h"
 #include "cpu/vector_math.h"
 
 namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
@@ -37,6 +38,16 @@ constexpr bool kBf16Dot = std::is_same_v<T, mx::bfloat16_t>;
 #else
 template <typename T>
 constexpr bool kBf16Dot = false;
+#endif
+
+// float16 rows on 16-lane float32 vectors (tiles16.h) in a variant compiled
+// for AVX512-FP16: the 8-lane loops are bound by their instructions at G = 4.
+#if defined(__AVX512FP16__)
+template <typename T>
+constexpr bool kWide = std::is_same_v<T, mx::float16_t>;
+#else
+template <typename T>
+constexpr bool kWide = false;
 #endif
 
 // Blocks of 16-bit keys and values run on AMX tiles in a variant compiled for
@@ -604,6 +615,14 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
       load_block<T, D>(a, kh, a.k_stride, t, n, t1, block, rows);
       for (int j = 0; j < n; j += 4) {
         const Lookahead ahead{k_next.offset, k_next.rows - j};
+#if defined(__AVX512FP16__)
+        if constexpr (kWide<T>) {
+          for_row_tiles<4>(R, [&]<int H>(int r) {
+            dot_4_rows16<D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, r == 0 ? ahead : Lookahead{});
+          });
+          continue;
+        }
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
         if constexpr (kBf16Dot<T>) {
           for_row_tiles<4>(R, [&]<int H>(int r) {
@@ -647,6 +666,19 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     }
     // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.
     load_block<T, D>(a, vh, a.v_stride, t, n, t1, block, rows);
+#if defined(__AVX512FP16__)
+    if constexpr (kWide<T>) {
+      for_row_tiles<4>(R, [&]<int H>(int r) {
+        if (masked) {
+          accumulate_rows16<D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, masks + r);
+        } else {
+          accumulate_rows16<D, H, false>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, nullptr,
+                                         r == 0 ? v_next : Lookahead{});
+        }
+      });
+      continue;
+    }
+#endif
     if (masked) {
       for_row_tiles<4>(R, [&]<int H>(int r) {
         accumulate_rows<D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, masks + r);

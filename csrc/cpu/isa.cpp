@@ -16,8 +16,8 @@ namespace {
 
 // Variants from worst to best; a variant is available when it was compiled
 // in (MBD_HAS_<ISA>) and the CPU (and OS, for AVX-512 state) supports it.
-enum class Isa { baseline, avx2, avx512bf16, amx };
-constexpr Isa kIsas[] = {Isa::baseline, Isa::avx2, Isa::avx512bf16, Isa::amx};
+enum class Isa { baseline, avx2, avx512bf16, avx512fp16, amx };
+constexpr Isa kIsas[] = {Isa::baseline, Isa::avx2, Isa::avx512bf16, Isa::avx512fp16, Isa::amx};
 
 const char* isa_name(Isa isa) {
   switch (isa) {
@@ -25,6 +25,8 @@ const char* isa_name(Isa isa) {
       return "avx2";
     case Isa::avx512bf16:
       return "avx512bf16";
+    case Isa::avx512fp16:
+      return "avx512fp16";
     case Isa::amx:
       return "amx";
     default:
@@ -65,8 +67,21 @@ bool supported(Isa isa) {
 #else
       return false;
 #endif
+    case Isa::avx512fp16:
+#if defined(MBD_HAS_AVX512FP16) && (defined(__x86_64__) || defined(_M_X64))
+      return supported(Isa::avx512bf16) && __builtin_cpu_supports("avx512fp16");
+#else
+      return false;
+#endif
     case Isa::amx:
 #if defined(MBD_HAS_AMX) && (defined(__x86_64__) || defined(_M_X64))
+      // Compiled on top of the AVX512-FP16 variant where the compiler has it
+      // (CMakeLists.txt); every CPU with AMX so far has AVX512-FP16 too.
+#if defined(MBD_HAS_AVX512FP16)
+      if (!supported(Isa::avx512fp16)) {
+        return false;
+      }
+#endif
       return supported(Isa::avx512bf16) && __builtin_cpu_supports("amx-tile") &&
           __builtin_cpu_supports("amx-bf16") && amx_permitted();
 #else
@@ -124,6 +139,15 @@ KernelFns kernel_fns(Dtype dtype, int head_dim) {
     case Isa::amx:
       // float32 keeps the AVX2 kernel: its bytes, not its arithmetic, bound it.
       return dtype == Dtype::float32 ? avx2::kernel_fns(dtype, head_dim) : amx::kernel_fns(dtype, head_dim);
+#endif
+#if defined(MBD_HAS_AVX512FP16)
+    case Isa::avx512fp16:
+      // float16 has code of its own (16-lane vectors); bfloat16 is the
+      // AVX512_BF16 kernel, float32 the AVX2 one, as below.
+      if (dtype == Dtype::float16) {
+        return avx512fp16::kernel_fns(dtype, head_dim);
+      }
+      return dtype == Dtype::bfloat16 ? avx512bf16::kernel_fns(dtype, head_dim) : avx2::kernel_fns(dtype, head_dim);
 #endif
 #if defined(MBD_HAS_AVX512BF16)
     case Isa::avx512bf16:

@@ -20,6 +20,9 @@ namespace avx512bf16 {
 KernelFns kernel_fns(Dtype dtype, int head_dim);
 KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits);
 }
+namespace avx512fp16 {
+KernelFns kernel_fns(Dtype dtype, int head_dim);
+}
 namespace amx {
 KernelFns kernel_fns(Dtype dtype, int head_dim);
 KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits);
