@@ -20,7 +20,7 @@ reference_attention on the dequantized keys and values.
 Out-of-cache rotation: each kernel runs over copies of the case's cache ("layers", as a
 model's layers) that together hold at least 3x the last-level cache, so that no call finds
 its bytes in cache; the JSON records the LLC size and the bytes each kernel rotates.
-The read bandwidth is benchmarks/common.py's ReadBandwidth (numpy threads summing 512 MiB).
+The read bandwidth is benchmarks/common.py's ReadBandwidth (the extension's native probe).
 
     python benchmarks/bench_quantized.py            # both cases (a few minutes)
     python benchmarks/bench_quantized.py --quick    # 128 MiB rotation, 3 repeats, no mlx-lm (< 1 minute)
@@ -28,31 +28,26 @@ The read bandwidth is benchmarks/common.py's ReadBandwidth (numpy threads summin
 
 import argparse
 import math
-import pathlib
 
 import mlx.core as mx
 import numpy as np
 
 import mlx_batched_decode as mbd
 
-from common import ReadBandwidth, interleaved_medians, machine, median_seconds, print_table, save
+from common import (
+    ReadBandwidth,
+    describe_machine,
+    interleaved_medians,
+    llc_bytes,
+    machine,
+    median_seconds,
+    print_table,
+    save,
+)
 
 H_Q, H_KV, D = 32, 8, 128
 GROUP = 64
 TARGETS = {8: 1.6, 4: 2.5}
-
-
-def llc_bytes():
-    """Size of the largest cache level cpu0 reports (sysfs), or 32 MiB when unknown."""
-    sizes = []
-    for index in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=32 << 20)
 
 
 def lengths(case):
@@ -193,11 +188,14 @@ def main():
         ("target", "target", "{:.1f}x"), ("vs_mlx_lm", "vs mlx-lm", "{:.2f}x"), ("layers", "layers", "{}"),
         ("max_err", "max err", "{:.1e}"),
     ])
+    info = machine()
+    print(describe_machine(info))
     print(f"read bandwidth probe (ReadBandwidth): {rows[0]['probe_gbs']:.1f} GB/s (b8), "
           f"{rows[-1]['probe_gbs']:.1f} GB/s (b1-8k); LLC {llc / 2**20:.0f} MiB, rotated >= {rotate / 2**20:.0f} MiB")
     path = save("quantized_quick" if args.quick else "quantized", {
-        "machine": machine(), "cpu_isa": mbd._ext.cpu_isa(), "threads": mbd._ext.cpu_threads(),
+        "machine": info, "cpu_isa": mbd._ext.cpu_isa(), "threads": mbd._ext.cpu_threads(),
         "llc_bytes": llc, "rotate_bytes": rotate, "bandwidth": "benchmarks/common.py ReadBandwidth",
+        "probe": bandwidth.describe,
         "heads": [H_Q, H_KV, D], "group_size": GROUP, "rows": rows,
     })
     print(f"wrote {path}")
