@@ -28,6 +28,13 @@ its batch cache). Every request's tokens are compared across the three paths. ml
 ``batch_generate(..., prompt_caches=..., completion_batch_size=B, prefill_batch_size=B)`` does,
 so all B requests decode together as in the other paths.
 
+With ``--kv-bits 8 4`` it also runs ``BatchedDecoder(kv_bits=8)`` and ``(kv_bits=4)`` (a quantized
+slot cache read by ``quantized_batched_decode_attention``, group size ``--kv-group-size``) from
+the same contexts, quantized as mlx-lm's ``QuantizedKVCache`` stores them; their greedy tokens
+are checked against mlx-lm's single-request ``generate_step`` from a ``QuantizedKVCache`` holding
+the same quantized contexts (``kv_bits``, ``quantized_kv_start=0``), not against the unquantized
+paths, whose tokens may differ (results/decode_quantized.json).
+
 With ``--speculative`` it compares ``BatchedDecoder`` without and with a draft model instead
 (``results/decode_speculative.json``): tokens/s and the draft's acceptance rate for each
 ``--num-draft-tokens`` k. The draft is the target's first ``--draft-layers`` layers, sharing its
@@ -44,6 +51,7 @@ must agree token for token.
     python benchmarks/bench_decode.py            # B in {1, 8, 32}, contexts 256-4096 (minutes)
     python benchmarks/bench_decode.py --quick    # B in {1, 8}, contexts 256-1024, 4 tokens
     python benchmarks/bench_decode.py --batch-sizes 8 --contexts 512 2048   # one chosen case
+    python benchmarks/bench_decode.py --batch-sizes 8 --contexts 512 2048 --kv-bits 8 4
     python benchmarks/bench_decode.py --speculative   # B in {1, 8}, contexts 256-1024, 16 tokens,
                                                       # k in {2, 4}, 1-layer draft, tail scale 0.05
 """
@@ -105,22 +113,39 @@ class Requests:
         (it prefills ``prompt[:-1]``, the context)."""
         original = served_model_module.prefill
         # A draft with fewer layers gets the first of them (it shares the target's first layers).
-        served_model_module.prefill = lambda model, tokens, step_size: self.kv(self._index[tuple(tokens)])[
-            : len(model.layers)
-        ]
+        def load(model, tokens, step_size, kv_bits=None, kv_group_size=64):
+            layers = self.kv(self._index[tuple(tokens)])[: len(model.layers)]
+            if kv_bits is None:
+                return layers
+            return [tuple(quantize(x, kv_bits, kv_group_size) for x in kv) for kv in layers]
+
+        served_model_module.prefill = load
         try:
             yield
         finally:
             served_model_module.prefill = original
 
 
-def run_ours(model, requests, batch, max_tokens, path, stream=sys.stderr, draft=None, num_draft_tokens=2):
+def quantize(x, bits, group_size):
+    """``x`` as the ``(packed, scales, biases)`` mlx-lm's ``QuantizedKVCache`` stores."""
+    return tuple(mx.quantize(x, group_size=group_size, bits=bits))
+
+
+def run_ours(
+    model, requests, batch, max_tokens, path, stream=sys.stderr, draft=None, num_draft_tokens=2,
+    kv_bits=None, kv_group_size=64,
+):
     """(tokens per request, seconds of each step, tokens of each step, DecodeStats) of
-    ``BatchedDecoder`` on the first ``batch`` requests, speculative with ``draft``."""
-    decoder = BatchedDecoder(model, attention=path, draft_model=draft, num_draft_tokens=num_draft_tokens)
+    ``BatchedDecoder`` on the first ``batch`` requests, speculative with ``draft``, quantized with
+    ``kv_bits``."""
+    decoder = BatchedDecoder(
+        model, attention=path, draft_model=draft, num_draft_tokens=num_draft_tokens,
+        kv_bits=kv_bits, kv_group_size=kv_group_size,
+    )
     with requests.loaded_by_decoder():
         uids = [decoder.add_request(p, max_tokens) for p in requests.prompts[:batch]]
     name = path if draft is None else f"{path}, draft k={num_draft_tokens}"
+    name = name if kv_bits is None else f"{name} {kv_bits}-bit"
     bar = ProgressBar(batch * max_tokens, f"tokens, B={batch} {name}", stream=stream)
     tokens = {uid: [] for uid in uids}
     times, counts = [], []
@@ -170,8 +195,33 @@ def run_mlx_lm(model, requests, batch, max_tokens, stream=sys.stderr):
     return [tokens[uid] for uid in uids], times, counts, None
 
 
-def table_rows(runs, batch, lengths):
-    """One row per run; ``runs``: path -> (tokens, step seconds, step token counts, stats)."""
+def mlx_lm_quantized(model, requests, batch, max_tokens, bits, group_size):
+    """mlx-lm's single-request greedy decode of each of the first ``batch`` requests from a
+    ``QuantizedKVCache`` holding its quantized context: the reference of the quantized paths."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    out = []
+    for i in range(batch):
+        caches = []
+        for keys, values in requests.kv(i):
+            cache = QuantizedKVCache(group_size=group_size, bits=bits)
+            cache.keys, cache.values = quantize(keys, bits, group_size), quantize(values, bits, group_size)
+            cache.offset = keys.shape[2]
+            caches.append(cache)
+        steps = generate_step(
+            mx.array(requests.prompts[i][-1:]), model, max_tokens=max_tokens, prompt_cache=caches,
+            kv_bits=bits, kv_group_size=group_size, quantized_kv_start=0,
+        )
+        out.append([token for token, _ in steps])
+    return out
+
+
+def table_rows(runs, batch, lengths, references=None):
+    """One row per run; ``runs``: path -> (tokens, step seconds, step token counts, stats);
+    ``references``: path -> the tokens a quantized path is checked against, instead of the slot
+    path's."""
+    references = references or {}
     expected = runs["slot"][0]
     rows = []
     for path, (tokens, times, counts, stats) in runs.items():
@@ -185,23 +235,27 @@ def table_rows(runs, batch, lengths):
                 "tok_s": generated / sum(times),
                 "steady_tok_s": (generated - counts[0]) / steady if steady > 0 else None,
                 "acceptance": stats.acceptance_rate if stats and stats.draft_tokens else None,
-                "same_as_slot": sum(t == e for t, e in zip(tokens, expected)),
+                "same_as_slot": sum(t == e for t, e in zip(tokens, references.get(path, expected))),
             }
         )
     return rows
 
 
-def bench_batch(model, requests, batch, max_tokens):
+def bench_batch(model, requests, batch, max_tokens, kv_bits=(), kv_group_size=64):
     lengths = [len(p) - 1 for p in requests.prompts[:batch]]
-    runs = {}
-    for path in ("slot", "seed", "mlx-lm"):
+    runs, references = {}, {}
+    for path in ("slot", "seed", "mlx-lm", *kv_bits):
         if path == "mlx-lm":
             runs[path] = run_mlx_lm(model, requests, batch, max_tokens)
+        elif isinstance(path, int):
+            name = f"slot {path}-bit"
+            runs[name] = run_ours(model, requests, batch, max_tokens, "slot", kv_bits=path, kv_group_size=kv_group_size)
+            references[name] = mlx_lm_quantized(model, requests, batch, max_tokens, path, kv_group_size)
         else:
             runs[path] = run_ours(model, requests, batch, max_tokens, path)
         gc.collect()
         mx.clear_cache()
-    rows = table_rows(runs, batch, lengths)
+    rows = table_rows(runs, batch, lengths, references)
     for row in rows:
         row["slot_speedup"] = rows[0]["steady_tok_s"] / row["steady_tok_s"] if row["steady_tok_s"] else None
     return rows, {path: run[0] for path, run in runs.items()}
@@ -249,7 +303,15 @@ def main():
     )
     parser.add_argument("--max-tokens", type=int, help="tokens per request (default 8, quick 4, speculative 16)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, contexts and caches")
-    parser.add_argument("--output", help="results/<name>.json (default decode, speculative decode_speculative)")
+    parser.add_argument(
+        "--output",
+        help="results/<name>.json (default decode, with --kv-bits decode_quantized, speculative decode_speculative)",
+    )
+    parser.add_argument(
+        "--kv-bits", type=int, nargs="+", choices=(4, 8), default=[],
+        help="also decode with a quantized cache of these bits (BatchedDecoder(kv_bits=...))",
+    )
+    parser.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64, help="default 64")
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--speculative", action="store_true", help="compare decoding without and with a draft model")
     spec.add_argument("--num-draft-tokens", type=int, nargs="+", default=[2, 4], help="k values (default 2 4)")
@@ -281,11 +343,18 @@ def main():
     # Warm-up: the first call of each path pays one-time costs kept out of the table.
     for path in ("slot", "seed"):
         run_ours(model, warm, 2, 2, path, stream=io.StringIO())
+    for bits in args.kv_bits:
+        run_ours(model, warm, 2, 2, "slot", stream=io.StringIO(), kv_bits=bits, kv_group_size=args.kv_group_size)
     run_mlx_lm(model, warm, 2, 2, stream=io.StringIO())
+    if args.kv_bits:
+        print(
+            f"quantized paths: kv_bits {args.kv_bits}, group size {args.kv_group_size}; "
+            "'= slot' counts their requests equal to mlx-lm's single-request quantized decode"
+        )
 
     rows, tokens = [], {}
     for batch in batches:
-        batch_rows, tokens[batch] = bench_batch(model, requests, batch, max_tokens)
+        batch_rows, tokens[batch] = bench_batch(model, requests, batch, max_tokens, args.kv_bits, args.kv_group_size)
         rows += batch_rows
         print(
             f"B={batch}: " + ", ".join(f"{r['path']} {r['steady_tok_s']:.1f} tok/s" for r in batch_rows),
@@ -305,17 +374,20 @@ def main():
     )
     mismatched = [(r["B"], r["path"]) for r in rows if r["same_as_slot"] != r["B"]]
     path = save(
-        args.output or "decode",
+        args.output or ("decode_quantized" if args.kv_bits else "decode"),
         {
             "machine": info, "config": CONFIG, "dtype": "float32", "max_tokens": max_tokens,
-            "context_range": [low, high], "rows": rows, "mismatched": mismatched,
+            "context_range": [low, high], "kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
+            "rows": rows, "mismatched": mismatched,
         },
     )
     print(f"\nsaved {path}")
     if mismatched:
-        print(f"FAILED: greedy tokens differ from the slot path for {mismatched}", file=sys.stderr)
+        print(f"FAILED: greedy tokens differ from the slot path (quantized: mlx-lm's) for {mismatched}", file=sys.stderr)
         return 1
     print("OK: every request's greedy tokens are identical across the three paths")
+    if args.kv_bits:
+        print("OK: the quantized paths' tokens equal mlx-lm's single-request decode at the same settings")
     return 0
 
 

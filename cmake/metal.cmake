@@ -7,7 +7,8 @@
 set(MBD_CSRC ${CMAKE_CURRENT_LIST_DIR}/../csrc)
 
 target_sources(_ext PRIVATE ${MBD_CSRC}/metal/batched_decode_attention_gpu.cpp
-                            ${MBD_CSRC}/metal/paged_decode_attention_gpu.cpp)
+                            ${MBD_CSRC}/metal/paged_decode_attention_gpu.cpp
+                            ${MBD_CSRC}/metal/quantized_batched_decode_attention_gpu.cpp)
 target_compile_definitions(_ext PRIVATE MLX_BATCHED_DECODE_METAL)
 
 include(${CMAKE_CURRENT_LIST_DIR}/metal_compiler.cmake)

@@ -13,7 +13,13 @@ namespace mlx_batched_decode {
 namespace {
 
 [[noreturn]] void fail(const std::string& what) {
-  throw std::invalid_argument("[batched_decode_attention] " + what);
+  fail_argument("batched_decode_attention", what);
+}
+
+} // namespace
+
+[[noreturn]] void fail_argument(const std::string& op, const std::string& what) {
+  throw std::invalid_argument("[" + op + "] " + what);
 }
 
 } // namespace
@@ -41,12 +47,12 @@ bool is_supported_dtype(mx::Dtype t) {
 namespace {
 
 // Per-request positions (valid_lens, kv_starts): integer [B].
-void check_positions(const mx::array& a, const std::string& name, int B) {
+void check_positions(const std::string& op, const mx::array& a, const std::string& name, int B) {
   if (a.ndim() != 1 || a.shape(0) != B) {
-    fail(name + " must have shape [B] = (" + std::to_string(B) + ",), got " + shape_str(a) + ".");
+    fail_argument(op, name + " must have shape [B] = (" + std::to_string(B) + ",), got " + shape_str(a) + ".");
   }
   if (!mx::issubdtype(a.dtype(), mx::integer)) {
-    fail(name + " must have an integer dtype, got " + dtype_str(a.dtype()) + ".");
+    fail_argument(op, name + " must have an integer dtype, got " + dtype_str(a.dtype()) + ".");
   }
 }
 
@@ -101,26 +107,37 @@ DecodeShape check_arguments(
     fail("queries, keys and values must share one dtype, got " + dtype_str(queries.dtype()) +
          ", " + dtype_str(keys.dtype()) + " and " + dtype_str(values.dtype()) + ".");
   }
-  check_positions(valid_lens, "valid_lens", d.B);
+  check_options("batched_decode_attention", d, valid_lens, scale, kv_starts, window, sinks);
+  return d;
+}
+
+void check_options(
+    const std::string& op,
+    const DecodeShape& d,
+    const mx::array& valid_lens,
+    std::optional<float> scale,
+    const std::optional<mx::array>& kv_starts,
+    std::optional<int> window,
+    const std::optional<mx::array>& sinks) {
+  check_positions(op, valid_lens, "valid_lens", d.B);
   if (kv_starts) {
-    check_positions(*kv_starts, "kv_starts", d.B);
+    check_positions(op, *kv_starts, "kv_starts", d.B);
   }
   if (window && *window < 1) {
-    fail("window must be >= 1, got " + std::to_string(*window) + ".");
+    fail_argument(op, "window must be >= 1, got " + std::to_string(*window) + ".");
   }
   if (sinks) {
     if (sinks->ndim() != 1 || sinks->shape(0) != d.H_q) {
-      fail("sinks must have shape [H_q] = (" + std::to_string(d.H_q) + ",), got " +
-           shape_str(*sinks) + ".");
+      fail_argument(op, "sinks must have shape [H_q] = (" + std::to_string(d.H_q) + ",), got " +
+                    shape_str(*sinks) + ".");
     }
     if (!mx::issubdtype(sinks->dtype(), mx::floating)) {
-      fail("sinks must have a floating dtype, got " + dtype_str(sinks->dtype()) + ".");
+      fail_argument(op, "sinks must have a floating dtype, got " + dtype_str(sinks->dtype()) + ".");
     }
   }
   if (scale && !std::isfinite(*scale)) {
-    fail("scale must be finite, got " + std::to_string(*scale) + ".");
+    fail_argument(op, "scale must be finite, got " + std::to_string(*scale) + ".");
   }
-  return d;
 }
 
 mx::array positions_as_int32(const mx::array& positions, int T, mx::StreamOrDevice s) {

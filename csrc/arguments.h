@@ -31,6 +31,25 @@ DecodeShape check_arguments(
     std::optional<int> window,
     const std::optional<mx::array>& sinks);
 
+// The checks of the per-request positions, window, sinks and scale, for an
+// op named `op` (the prefix of its messages) of dimensions d.
+void check_options(
+    const std::string& op,
+    const DecodeShape& d,
+    const mx::array& valid_lens,
+    std::optional<float> scale,
+    const std::optional<mx::array>& kv_starts,
+    std::optional<int> window,
+    const std::optional<mx::array>& sinks);
+
+// Throws std::invalid_argument("[op] what").
+[[noreturn]] void fail_argument(const std::string& op, const std::string& what);
+// "(2, 3)" and "float16", for messages.
+std::string shape_str(const mx::array& a);
+std::string dtype_str(mx::Dtype t);
+// float16, bfloat16 or float32.
+bool is_supported_dtype(mx::Dtype t);
+
 // Per-request positions (valid_lens, kv_starts) as int32 [B]: values of wider
 // dtypes are clamped to [0, T] first, so that 2^32 + 2 means "all of T"
 // rather than wrapping to 2.

@@ -14,6 +14,7 @@
 #include "metal_backend.h"
 #include "metal_source.h"
 #include "paged_decode_attention.h"
+#include "quantized_batched_decode_attention.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -77,6 +78,70 @@ Returns:
 
 Raises:
     ValueError: malformed arguments, before any work is queued.)");
+
+  m.def(
+      "quantized_batched_decode_attention",
+      &mbd::quantized_batched_decode_attention,
+      "queries"_a,
+      "keys"_a,
+      "values"_a,
+      "valid_lens"_a,
+      nb::kw_only(),
+      "group_size"_a = 64,
+      "bits"_a = 8,
+      "scale"_a = nb::none(),
+      "kv_starts"_a = nb::none(),
+      "window"_a = nb::none(),
+      "sinks"_a = nb::none(),
+      "stream"_a = nb::none(),
+      nb::sig(
+          "def quantized_batched_decode_attention(queries: mlx.core.array, "
+          "keys: tuple[mlx.core.array, mlx.core.array, mlx.core.array], "
+          "values: tuple[mlx.core.array, mlx.core.array, mlx.core.array], valid_lens: mlx.core.array, *, "
+          "group_size: int = 64, bits: int = 8, scale: float | None = None, "
+          "kv_starts: mlx.core.array | None = None, window: int | None = None, "
+          "sinks: mlx.core.array | None = None, "
+          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
+      R"(Batched decode attention over quantized keys and values.
+
+``batched_decode_attention`` (same lengths, ranges, window, sinks and L) on a
+cache kept as the triples ``mx.quantize(x, group_size=group_size, bits=bits)``
+returns (mlx-lm's ``QuantizedKVCache`` layout): the result is attention over
+``mx.dequantize`` of the keys and values, accumulated in float32. The CPU
+kernel scores against the packed integers directly and never writes a
+dequantized copy; the Metal kernel widens them in registers as it loads them.
+
+Dimension legend: B requests, H_q query heads, H_kv key/value heads
+(G = H_q / H_kv), L query rows per request, T padded length, D head dim
+(a multiple of group_size, at most 512), W = D * bits / 32 packed words per
+row, S = D / group_size groups per row.
+
+Args:
+    queries (array): [B, H_q, L, D], float16, bfloat16 or float32 (not quantized).
+    keys (tuple[array, array, array]): (packed, scales, biases): packed uint32
+        [B, H_kv, T, W], scales and biases [B, H_kv, T, S] in float16,
+        bfloat16 or float32 (any of them, not necessarily the queries'). Any
+        strides: views of a larger cache are read in place.
+    values (tuple[array, array, array]): the same layout and shapes as keys,
+        scales of the same dtype.
+    valid_lens (array): [B], integer: the keys each request has.
+    group_size (int): 32, 64 or 128, dividing D; keyword, default 64.
+    bits (int): 4 or 8; keyword, default 8.
+    scale (float, optional): score scale, default 1/sqrt(D).
+    kv_starts (array, optional): [B], integer: the first valid key of each request.
+    window (int, optional): >= 1; each row attends at most its last ``window`` keys.
+    sinks (array, optional): [H_q], floating: a per-head logit in each row's
+        softmax denominator.
+    stream (Stream or Device, optional): where to run, keyword only.
+
+Returns:
+    array: [B, H_q, L, D] in the queries' dtype. A row with no key to attend
+    gets zeros. Positions outside every row's range are never read: NaN in
+    their packed words, scales or biases changes nothing.
+
+Raises:
+    ValueError: malformed arguments (triples, shapes, dtypes, ``bits``,
+        ``group_size``), before any work is queued.)");
 
   m.def(
       "reference_attention",

@@ -62,8 +62,10 @@ def random_prompts(lens, seed=0):
     return [[rng.randrange(VOCAB) for _ in range(n)] for n in lens]
 
 
-def mlx_lm_greedy(model, prompt, max_tokens):
-    """mlx-lm's own single-request greedy decode (``generate_step``) of ``prompt``."""
+def mlx_lm_greedy(model, prompt, max_tokens, **options):
+    """mlx-lm's own single-request greedy decode (``generate_step``) of ``prompt``; ``options``
+    go to ``generate_step`` (e.g. ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``)."""
     from mlx_lm.generate import generate_step
 
-    return [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, **options)
+    return [token for token, _ in steps]

@@ -37,6 +37,21 @@ def test_main_job_checks_and_prints_the_table():
     assert "18/18 tokens" in result.stderr  # the progress bar reached the end
 
 
+@pytest.mark.parametrize("bits", ["8", "4"])
+def test_main_job_with_a_quantized_cache(bits):
+    """``--kv-bits``: a fourth row, checked against mlx-lm's quantized single-request decode."""
+    result = _run_main(
+        "--prompt-lens", "2", "9", "33", "--max-tokens", "6", "--kv-bits", bits,
+        "--kv-group-size", "32",
+    )
+    row = next(
+        line for line in result.stdout.splitlines() if line.startswith("mlx-batched-decode, ")
+    )
+    assert row.startswith(f"mlx-batched-decode, {bits}-bit KV") and row.split()[-1] == "3/3", row
+    assert f"kv_bits={bits}, kv_group_size=32, quantized_kv_start=0" in result.stdout
+    assert "OK: every request's tokens equal its single-request decode" in result.stdout
+
+
 def test_progress_bar_draws_in_place_and_finishes():
     out = io.StringIO()
     bar = ProgressBar(10, "tokens", width=10, stream=out, interval=3600.0)

@@ -32,7 +32,9 @@ needs_headers = pytest.mark.skipif(not (MLX_INCLUDE / "mlx" / "backend" / "metal
 
 @needs_headers
 @pytest.mark.parametrize(
-    "source", [LAUNCHER, LAUNCHER.parent / "paged_decode_attention_gpu.cpp", REPO / "csrc" / "metal_backend.cpp"],
+    "source",
+    [LAUNCHER, LAUNCHER.parent / "paged_decode_attention_gpu.cpp",
+     LAUNCHER.parent / "quantized_batched_decode_attention_gpu.cpp", REPO / "csrc" / "metal_backend.cpp"],
     ids=lambda p: p.name)
 def test_metal_build_matches_mlx_host_api(source):
     """The launcher, and the backend choice as an Apple build compiles it."""

@@ -29,6 +29,7 @@ KERNEL_TESTS = [
     "tests/test_concurrency.py",
     "tests/test_paged_decode.py",
     "tests/test_paged_adversarial.py",
+    "tests/test_quantized_attention.py",
 ]
 
 

@@ -29,6 +29,25 @@ struct KeyRange {
   }
 };
 
+// Keys and values in mx.quantize's affine format: DecodeArgs::keys and
+// values then point at the packed uint32 words [B, H_kv, T, D * bits / 32]
+// (k_stride and v_stride count words), and these at the scales and biases
+// [B, H_kv, T, D / group_size] of each. Element e of a row is
+// scale[e / group_size] * (its bits-wide integer) + bias[e / group_size].
+struct QuantizedRows {
+  int bits = 0; // 4 or 8; 0: keys and values are dense rows of the queries' dtype
+  int group_size = 0;
+  Dtype scales_dtype = Dtype::float32; // of the scales and biases of both
+  const void* scales[2] = {}; // keys, values
+  const void* biases[2] = {};
+  int64_t scales_stride[2][4] = {}; // batch, head, position, group
+  int64_t biases_stride[2][4] = {};
+
+  int groups(int D) const {
+    return D / group_size;
+  }
+};
+
 // Dimension legend: B requests, H_q query heads, H_kv key/value heads,
 // G = H_q / H_kv query heads per KV head, L query rows per request, T padded
 // length, D head dim. The R = G * L query rows of one (request, KV head) are
@@ -61,6 +80,7 @@ struct DecodeArgs {
   int64_t starts_stride;
   int64_t sinks_stride;
   float scale;
+  QuantizedRows quant; // bits == 0 for dense keys and values
 
   int rows() const {
     return G * L;

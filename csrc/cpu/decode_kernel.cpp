@@ -1,9 +1,11 @@
 // The CPU decode attention kernel. This file is compiled once per instruction
 // set (see CMakeLists.txt); MBD_CPU_ISA names the namespace of each copy.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "cpu/decode_args.h"
 #include "cpu/kernel_table.h"
 #include "cpu/parallel_decode.h"
+#include "cpu/quantized_tiles.h"
 #include "cpu/row_source.h"
 #include "cpu/tiles.h"
 #include "cpu/tiles16.h"
@@ -250,13 +253,13 @@ const T* query_row(const DecodeArgs& a, const Chunk& c, int r) {
 }
 
 // Loads the query rows of work item c into the scratch: scaled float32 rows
-// [count * R, Dp] (unscaled T rows for kBf16Dot), zero-padded past D.
-template <typename T, int D>
+// [count * R, Dp] (unscaled T rows for Raw, the kBf16Dot keys), zero-padded past D.
+template <typename T, int D, bool Raw = kBf16Dot<T>>
 void load_queries(const DecodeArgs& a, const Chunk& c, Scratch<T>& s) {
   const int Dp = D ? D : a.Dp;
   for (int r = 0; r < c.count * a.rows(); ++r) {
     const T* qr = query_row<T>(a, c, r);
-    if constexpr (kBf16Dot<T>) {
+    if constexpr (Raw) {
       for (int e = 0; e < Dp; ++e) {
         s.q_raw[r * Dp + e] = e < a.D ? qr[e * a.q_stride[3]] : T(0.0f);
       }
@@ -388,7 +391,192 @@ template <typename T>
 thread_local AmxItem<T> tls_tiles;
 #endif
 
-template <typename T, int D>
+// The quantized row source's per-thread scratch: a block's packed rows
+// gathered from a strided last axis, the scales and biases of its
+// keys and values as float32, group-major [4][groups, kBlock] (key scales, key
+// biases, value scales, value biases), the query rows' sums per group
+// [R, groups], and per block each row's weights times the value scales
+// [R, groups, kBlock] and weighted value biases [R, groups].
+struct QuantizedScratch {
+  std::vector<uint32_t> words;
+  std::vector<float> sb;
+  std::vector<float> qsum;
+  std::vector<float> ws;
+  std::vector<float> bias_sum;
+
+  void reserve(int R, int words_per_row, int groups) {
+    Scratch<float>::grow(words, static_cast<size_t>(kBlock) * words_per_row);
+    Scratch<float>::grow(sb, static_cast<size_t>(4) * groups * kBlock);
+    Scratch<float>::grow(qsum, static_cast<size_t>(R) * groups);
+    Scratch<float>::grow(ws, static_cast<size_t>(R) * groups * kBlock);
+    Scratch<float>::grow(bias_sum, static_cast<size_t>(R) * groups);
+  }
+};
+
+thread_local QuantizedScratch tls_quantized;
+
+// Elements first + j * step of a float16, bfloat16 or float32 array as float32, for j < n.
+template <typename S>
+void widen_strided(const void* base, int64_t first, int64_t step, int n, float* out) {
+  const S* x = static_cast<const S*>(base) + first;
+  for (int j = 0; j < n; ++j) {
+    if constexpr (std::is_same_v<S, mx::float16_t>) {
+      out[j] = half_bits_to_float(std::bit_cast<uint16_t>(x[j * step]));
+    } else if constexpr (std::is_same_v<S, mx::bfloat16_t>) {
+      out[j] = std::bit_cast<float>(static_cast<uint32_t>(std::bit_cast<uint16_t>(x[j * step])) << 16);
+    } else {
+      out[j] = x[j * step];
+    }
+  }
+}
+
+// Points rows at the packed rows [t, t + n) of (b, h) of the keys (side 0)
+// or values (side 1) and widens their scales and biases into s.sb; rows n to
+// the next multiple of 4 repeat row n - 1 (as load_block), and their scales
+// and biases are 0. Returns the rows one block on, for the loops to request
+// from memory a row at a time (a burst of requests stalls on the core's miss
+// buffers); none for gathered rows.
+template <int Bits>
+Lookahead load_quantized_block(const DecodeArgs& a, int side, int b, int h, int t, int n, int end,
+                               QuantizedScratch& s, const uint32_t** rows) {
+  const QuantizedRows& qr = a.quant;
+  const int words = a.D * Bits / 32, groups = qr.groups(a.D);
+  const int64_t* stride = side ? a.v_stride : a.k_stride;
+  const uint32_t* head = static_cast<const uint32_t*>(side ? a.values : a.keys) + b * stride[0] + h * stride[1];
+  for (int j = 0; j < n; ++j) {
+    const uint32_t* row = head + (t + j) * stride[2];
+    if (stride[3] == 1) {
+      rows[j] = row;
+      continue;
+    }
+    uint32_t* copy = s.words.data() + j * words;
+    for (int w = 0; w < words; ++w) {
+      copy[w] = row[w * stride[3]];
+    }
+    rows[j] = copy;
+  }
+  for (int j = n; j % 4 != 0; ++j) {
+    rows[j] = rows[n - 1];
+  }
+  for (int kind = 0; kind < 2; ++kind) {
+    const void* base = kind ? qr.biases[side] : qr.scales[side];
+    const int64_t* st = kind ? qr.biases_stride[side] : qr.scales_stride[side];
+    float* out = s.sb.data() + (2 * side + kind) * groups * kBlock;
+    const int64_t first = b * st[0] + h * st[1] + int64_t{t} * st[2];
+    for (int g = 0; g < groups; ++g) {
+      float* o = out + g * kBlock;
+      switch (qr.scales_dtype) {
+        case Dtype::float16:
+          widen_strided<mx::float16_t>(base, first + g * st[3], st[2], n, o);
+          break;
+        case Dtype::bfloat16:
+          widen_strided<mx::bfloat16_t>(base, first + g * st[3], st[2], n, o);
+          break;
+        case Dtype::float32:
+          widen_strided<float>(base, first + g * st[3], st[2], n, o);
+          break;
+      }
+      std::fill(o + n, o + kBlock, 0.0f);
+    }
+  }
+  if (stride[3] != 1) {
+    return {};
+  }
+  return {kBlock * stride[2], std::clamp(end - t - kBlock, 0, kBlock)};
+}
+
+// Requests the lines of packed row `row + ahead.offset` when row j has a successor.
+inline void prefetch_packed_row(const uint32_t* row, int j, int words, Lookahead ahead) {
+  if (j < ahead.rows) {
+    for (int byte = 0; byte < words * 4; byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(row + ahead.offset) + byte, 0, 1);
+    }
+  }
+}
+
+// Scores of the R query rows (scaled float32 qs [R, Dp], group sums qsum)
+// against the packed keys [t, t + n) of (b, h).
+template <int Bits, int D>
+void score_quantized_block(const DecodeArgs& a, const float* qs, int b, int h, int t, int n, int end, float* scores,
+                           QuantizedScratch& s) {
+  const int Dp = D ? D : a.Dp, groups = a.quant.groups(a.D);
+  // Locals, not members of the thread_local scratch: GCC recomputes the
+  // address of a thread_local (a call) in the loops that read it.
+  const uint32_t* rows[kBlock];
+  const Lookahead ahead = load_quantized_block<Bits>(a, 0, b, h, t, n, end, s, rows);
+  const float* qsum = s.qsum.data();
+  const float* scales = s.sb.data();
+  const float* biases = scales + groups * kBlock;
+  const int words = a.D * Bits / 32, group_size = a.quant.group_size;
+  for (int j = 0; j < n; j += kQuantKeys) {
+    for (int c = 0; c < kQuantKeys; ++c) {
+      prefetch_packed_row(rows[j + c], j + c, words, ahead);
+    }
+    for_row_tiles<4>(a.rows(), [&]<int H>(int r) {
+      dot_rows_quantized<Bits, D, H, kQuantKeys>(qs + r * Dp, qsum + r * groups, rows + j, scales + j, biases + j,
+                                                 kBlock, scores + r * kBlock + j, kBlock, Dp, group_size);
+    });
+  }
+}
+
+// The weights w [R, kBlock] of the packed values [t, t + n) of (b, h) into
+// the accumulators, rescaled by alpha [R]; masks [R] as accumulate_rows.
+template <int Bits, int D>
+void accumulate_quantized_block(const DecodeArgs& a, int b, int h, int t, int n, int end, const float* w,
+                                const float* alpha, const uint32_t* masks, bool masked, float* acc,
+                                QuantizedScratch& s) {
+  const int Dp = D ? D : a.Dp, groups = a.quant.groups(a.D), R = a.rows();
+  const uint32_t* rows[kBlock];
+  const Lookahead ahead = load_quantized_block<Bits>(a, 1, b, h, t, n, end, s, rows);
+  const float* scales = s.sb.data() + 2 * groups * kBlock;
+  const float* biases = scales + groups * kBlock;
+  for (int r = 0; r < R; ++r) {
+    const float* wr = w + r * kBlock;
+    for (int g = 0; g < groups; ++g) {
+      float* ws = s.ws.data() + (r * groups + g) * kBlock;
+      const float* sg = scales + g * kBlock;
+      const float* bg = biases + g * kBlock;
+      float sum = 0.0f;
+      for (int j = 0; j < n; ++j) {
+        ws[j] = wr[j] * sg[j];
+      }
+      if (masked) {
+        // A key outside the row's range adds nothing, not 0 * NaN.
+        for (int j = 0; j < n; ++j) {
+          sum += masks[r] >> j & 1u ? wr[j] * bg[j] : 0.0f;
+        }
+      } else {
+        for (int j = 0; j < n; ++j) {
+          sum += wr[j] * bg[j];
+        }
+      }
+      s.bias_sum[r * groups + g] = sum;
+    }
+  }
+  // Locals, as rows: see score_quantized_block.
+  const float* ws = s.ws.data();
+  const float* bias_sum = s.bias_sum.data();
+  const int words = a.D * Bits / 32, group_size = a.quant.group_size;
+  auto tile = [&]<bool Masked>() {
+    for_row_tiles<4>(R, [&]<int H>(int r) {
+      accumulate_rows_quantized<Bits, D, H, Masked>(acc + r * Dp, alpha + r, ws + r * groups * kBlock, kBlock,
+                                                    bias_sum + r * groups, rows, n, Dp, group_size, masks + r,
+                                                    words, r == 0 ? ahead : Lookahead{});
+    });
+  };
+  if (masked) {
+    tile.template operator()<true>();
+  } else {
+    tile.template operator()<false>();
+  }
+}
+
+// Attends the R query rows of one work item over its keys, 32 at a time:
+// scores, the online softmax and the weighted values, with the rows read
+// from a RowSource, dense strided views or pages of a pool (Bits == 0; T, the
+// queries' dtype), or from the packed integers of a quantized cache (Bits 4
+// or 8, see QuantizedRows; dense only).
+template <typename T, int D, int Bits = 0>
 void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Chunk* next) {
   const int t0 = c.t0, t1 = c.t1;
   // Rows of all c.count requests; their L row ranges each are lines = count * L.
@@ -423,16 +611,29 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
   bool vector_queries = false;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   AmxItem<T>& tiles = tls_tiles<T>;
-  if constexpr (kAmx<T>) {
+  if constexpr (kAmx<T> && Bits == 0) {
     tiles.begin(a, c, Dp, s.ranges.data(), R >= kAmxMinRows<T>);
   }
 #endif
-  // The first block's values are requested while its keys are scored, in case
-  // no previous chunk requested them.
-  if (!gathered<D>(a.v_stride) && !vs.paged()) {
-    prefetch_rows<T, D>(vs.base + t0 * a.v_stride[2], a.v_stride[2], std::min(kBlock, t1 - t0));
+  QuantizedScratch& quantized = tls_quantized;
+  if constexpr (Bits != 0) {
+    const int groups = a.quant.groups(a.D);
+    quantized.reserve(R, a.D * Bits / 32, groups);
+    // Scaled float32 queries and their sums per group, the second term of q . k.
+    load_queries<T, D, false>(a, c, s);
+    vector_queries = true;
+    for (int r = 0; r < R; ++r) {
+      for (int g = 0; g < groups; ++g) {
+        const float* q = qs + r * Dp + g * a.quant.group_size;
+        quantized.qsum[r * groups + g] = std::accumulate(q, q + a.quant.group_size, 0.0f);
+      }
+    }
   } else if (vs.paged()) {
+    // The first block's values are requested while its keys are scored, in
+    // case no previous chunk requested them.
     vs.prefetch(t0, std::min(kBlock, t1 - t0), a.D);
+  } else if (!gathered<D>(a.v_stride)) {
+    prefetch_rows<T, D>(vs.base + t0 * a.v_stride[2], a.v_stride[2], std::min(kBlock, t1 - t0));
   }
   for (int t = t0; t < t1; t += kBlock) {
     const int n = std::min(kBlock, t1 - t);
@@ -443,7 +644,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     Lookahead v_next = successor_rows<D>(a, a.v_stride, c, t, n, next);
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    if constexpr (kAmx<T>) {
+    if constexpr (kAmx<T> && Bits == 0) {
       if (tiles.block(a, ks, vs, t, n, k_next, v_next, rows, st, [&](const RowSource<T>& src) {
             return load_block<T, D>(a, src, t, n, t1, block, rows);
           })) {
@@ -458,29 +659,34 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     }
     // Each key row is read once and scored against all R query rows, two at a
     // time (four with the bfloat16 dot product).
-    const uint32_t valid = load_block<T, D>(a, ks, t, n, t1, block, rows, &k_next, k_ahead);
-    for (int j = 0; j < n; j += 4) {
-      const Lookahead ahead{k_next.offset, k_next.rows - j, k_next.offsets ? k_next.offsets + j : nullptr};
+    uint32_t valid = n == 32 ? ~0u : (1u << n) - 1; // positions that hold a key
+    if constexpr (Bits != 0) {
+      score_quantized_block<Bits, D>(a, qs, c.b, c.h, t, n, t1, scores, quantized);
+    } else {
+      valid = load_block<T, D>(a, ks, t, n, t1, block, rows, &k_next, k_ahead);
+      for (int j = 0; j < n; j += 4) {
+        const Lookahead ahead{k_next.offset, k_next.rows - j, k_next.offsets ? k_next.offsets + j : nullptr};
 #if defined(__AVX512FP16__)
-      if constexpr (kWide<T>) {
-        for_row_tiles<4>(R, [&]<int H>(int r) {
-          dot_4_rows16<D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, r == 0 ? ahead : Lookahead{});
-        });
-        continue;
-      }
+        if constexpr (kWide<T>) {
+          for_row_tiles<4>(R, [&]<int H>(int r) {
+            dot_4_rows16<D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, r == 0 ? ahead : Lookahead{});
+          });
+          continue;
+        }
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-      if constexpr (kBf16Dot<T>) {
-        for_row_tiles<4>(R, [&]<int H>(int r) {
-          dot_4_rows_bf16<D, H>(s.q_raw.data() + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, a.scale,
-                                r == 0 ? ahead : Lookahead{});
-        });
-        continue;
-      }
+        if constexpr (kBf16Dot<T>) {
+          for_row_tiles<4>(R, [&]<int H>(int r) {
+            dot_4_rows_bf16<D, H>(s.q_raw.data() + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, a.scale,
+                                  r == 0 ? ahead : Lookahead{});
+          });
+          continue;
+        }
 #endif
-      for_row_tiles<2>(R, [&]<int H>(int r) {
-        dot_4_rows<D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, r == 0 ? ahead : Lookahead{});
-      });
+        for_row_tiles<2>(R, [&]<int H>(int r) {
+          dot_4_rows<D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, r == 0 ? ahead : Lookahead{});
+        });
+      }
     }
 
     // Rows whose range cuts this block (L > 1: the rows' ends differ, and their
@@ -507,6 +713,10 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
       alpha[r] = softmax_block(scores + r * kBlock, n, st.m[r], st.l[r]);
     }
 
+    if constexpr (Bits != 0) {
+      accumulate_quantized_block<Bits, D>(a, c.b, c.h, t, n, t1, scores, alpha, masks, masked, st.acc, quantized);
+      continue;
+    }
     // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.
     load_block<T, D>(a, vs, t, n, t1, block, rows, &v_next, v_ahead);
 #if defined(__AVX512FP16__)
@@ -534,7 +744,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     });
   }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  if constexpr (kAmx<T>) {
+  if constexpr (kAmx<T> && Bits == 0) {
     tiles.end();
   }
 #endif
@@ -623,7 +833,37 @@ KernelFns fns_for_dtype(int head_dim) {
   }
 }
 
+// The quantized kernels: their own for head dims 64 and 128, else the generic one.
+template <typename T, int Bits>
+KernelFns quantized_fns_for_dtype(int head_dim) {
+  switch (head_dim) {
+    case 64:
+      return {attend_chunk<T, 64, Bits>, finalize<T, 64>};
+    case 128:
+      return {attend_chunk<T, 128, Bits>, finalize<T, 128>};
+    default:
+      return {attend_chunk<T, 0, Bits>, finalize<T, 0>};
+  }
+}
+
+template <int Bits>
+KernelFns quantized_fns_for_bits(Dtype dtype, int head_dim) {
+  switch (dtype) {
+    case Dtype::float16:
+      return quantized_fns_for_dtype<mx::float16_t, Bits>(head_dim);
+    case Dtype::bfloat16:
+      return quantized_fns_for_dtype<mx::bfloat16_t, Bits>(head_dim);
+    case Dtype::float32:
+      return quantized_fns_for_dtype<float, Bits>(head_dim);
+  }
+  return {nullptr, nullptr};
+}
+
 } // namespace
+
+KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits) {
+  return bits == 4 ? quantized_fns_for_bits<4>(dtype, head_dim) : quantized_fns_for_bits<8>(dtype, head_dim);
+}
 
 KernelFns kernel_fns(Dtype dtype, int head_dim) {
   switch (dtype) {

@@ -164,4 +164,21 @@ KernelFns kernel_fns(Dtype dtype, int head_dim) {
   }
 }
 
+KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits) {
+  switch (selected().load()) {
+#if defined(MBD_HAS_AVX512BF16)
+    case Isa::amx:
+    case Isa::avx512bf16:
+      // AVX-512VL's 32 registers let a score tile read 4 packed keys instead of 2 (quantized_tiles.h).
+      return avx512bf16::quantized_kernel_fns(dtype, head_dim, bits);
+#endif
+#if defined(MBD_HAS_AVX2)
+    case Isa::avx2:
+      return avx2::quantized_kernel_fns(dtype, head_dim, bits);
+#endif
+    default:
+      return baseline::quantized_kernel_fns(dtype, head_dim, bits);
+  }
+}
+
 } // namespace mlx_batched_decode::cpu

@@ -19,5 +19,7 @@ void set_isa(const std::string& name);
 
 // The kernel of the current variant for dtype and head dim.
 KernelFns kernel_fns(Dtype dtype, int head_dim);
+// The same for packed keys and values of `bits` (4 or 8).
+KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits);
 
 } // namespace mlx_batched_decode::cpu

@@ -200,7 +200,7 @@ void plan_paged(const DecodeArgs& a, Call& call) {
 std::shared_ptr<Call> plan(const DecodeArgs& a) {
   auto call = std::make_shared<Call>();
   call->args = a;
-  call->fns = kernel_fns(a.dtype, a.D);
+  call->fns = a.quant.bits ? quantized_kernel_fns(a.dtype, a.D, a.quant.bits) : kernel_fns(a.dtype, a.D);
   const int64_t pairs = static_cast<int64_t>(a.B) * a.H_kv;
   call->parts_begin.resize(pairs + 1);
   call->remaining = std::make_unique<std::atomic<int>[]>(pairs);

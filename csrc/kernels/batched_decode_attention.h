@@ -24,10 +24,12 @@
 #include <metal_stdlib>
 
 #include "batched_decode_attention_params.h"
+#include "quantized_batched_decode_attention_params.h"
 
 using namespace metal;
 
 using mlx_batched_decode::BatchedDecodeParams;
+using mlx_batched_decode::QuantizedDecodeParams;
 
 // Query rows one threadgroup holds, fixed per pipeline so that the registers
 // of rows it never holds are compiled away.
@@ -186,34 +188,151 @@ inline bool bda_holds_key(const device int* block_tables, const constant Batched
   return false;
 }
 
-// queries [B, H_q, L, D], keys and values [B, H_kv, T, D] (strided views),
-// valid_lens and kv_starts int32 [B], sinks float32 [H_q] (all strided),
-// or, paged (p.block_size > 0), pools [NB, BS, H_kv, D] with block_tables
-// int32 [B, MB] bound as kv_starts (see BatchedDecodeParams),
-// out [B, H_q, L, D] contiguous; split-K partials float32 [B, H_q, L, splits]
+// V elements per vector load of the kernels of head dim D (scalars for a generic one).
+template <int D, bool GENERIC>
+constexpr int bda_vector_width() {
+  return GENERIC ? 1 : (D % 128 == 0 ? 4 : 2);
+}
+
+// Where the K/V rows live (the kernel's row-source axis): key(row, t, vi) and
+// value(row, t, vi) give elements vi * V .. vi * V + V - 1 of position t
+// (bda_row's row) of the (request, KV head) that seek(b, h) chose, as floats.
+//
+// Dense rows of T, read in place from strided views, or the pages of a pool
+// (p.block_size > 0): bda_row gives a position's offsets from its head.
+template <typename T, int V>
+struct BdaDenseRows {
+  typedef typename bda_vec<float, V>::type floatv;
+  const device T* keys;
+  const device T* values;
+  int64_t k_head, v_head;
+  bool vectors;
+
+  void seek(int, int h) {
+    keys += h * k_head;
+    values += h * v_head;
+  }
+  floatv key(BdaRow row, int, int vi) const {
+    return bda_load<T, V>::row(keys + row.k + vi * V, vectors);
+  }
+  floatv value(BdaRow row, int, int vi) const {
+    return bda_load<T, V>::row(values + row.v + vi * V, vectors);
+  }
+};
+
+// V floats from an array (V = 1, 2 or 4).
+template <int V>
+struct bda_pack;
+template <>
+struct bda_pack<1> {
+  static float make(thread const float* x) {
+    return x[0];
+  }
+};
+template <>
+struct bda_pack<2> {
+  static float2 make(thread const float* x) {
+    return float2(x[0], x[1]);
+  }
+};
+template <>
+struct bda_pack<4> {
+  static float4 make(thread const float* x) {
+    return float4(x[0], x[1], x[2], x[3]);
+  }
+};
+
+// Element i of a float16 (0), bfloat16 (1) or float32 (2) array, as float.
+inline float bda_read_float(const device uchar* base, int64_t i, int dtype) {
+  if (dtype == 0) {
+    return float(reinterpret_cast<const device half*>(base)[i]);
+  }
+  if (dtype == 1) {
+    return float(reinterpret_cast<const device bfloat*>(base)[i]);
+  }
+  return reinterpret_cast<const device float*>(base)[i];
+}
+
+// mx.quantize's affine rows: element e of a row is
+// scale[e / group_size] * w_e + bias[e / group_size], w_e the BITS-wide
+// unsigned integer at bit (e % (32 / BITS)) * BITS of word e / (32 / BITS).
+// A lane's V elements lie in one word and one group: one word, one scale and
+// one bias per load, widened in registers.
+template <int BITS, int V>
+struct BdaQuantizedRows {
+  typedef typename bda_vec<float, V>::type floatv;
+  static_assert((32 / BITS) % V == 0, "a load's elements lie in one word");
+  const device uint* keys;
+  const device uint* values;
+  const device uchar* key_scales;
+  const device uchar* key_biases;
+  const device uchar* value_scales;
+  const device uchar* value_biases;
+  int64_t k_batch, k_head, k_seq;
+  int64_t v_batch, v_head, v_seq;
+  QuantizedDecodeParams q;
+  int b, h;
+
+  void seek(int request, int kv_head) {
+    b = request;
+    h = kv_head;
+    keys += request * k_batch + kv_head * k_head;
+    values += request * v_batch + kv_head * v_head;
+  }
+  floatv row(const device uint* words, int64_t seq, const device uchar* scales, const device uchar* biases,
+             int side, int t, int vi) const {
+    const int e0 = vi * V;
+    const int group = e0 / q.group_size;
+    const float scale = bda_read_float(
+        scales, b * q.scales_stride[side][0] + h * q.scales_stride[side][1] + t * q.scales_stride[side][2] +
+            group * q.scales_stride[side][3], q.scales_dtype);
+    const float bias = bda_read_float(
+        biases, b * q.biases_stride[side][0] + h * q.biases_stride[side][1] + t * q.biases_stride[side][2] +
+            group * q.biases_stride[side][3], q.scales_dtype);
+    const uint word = words[t * seq + e0 / (32 / BITS)];
+    float x[V];
+    for (int u = 0; u < V; ++u) {
+      const uint w = (word >> (((e0 + u) % (32 / BITS)) * BITS)) & ((1u << BITS) - 1u);
+      x[u] = scale * float(w) + bias;
+    }
+    return bda_pack<V>::make(x);
+  }
+  floatv key(BdaRow, int t, int vi) const {
+    return row(keys, k_seq, key_scales, key_biases, 0, t, vi);
+  }
+  floatv value(BdaRow, int t, int vi) const {
+    return row(values, v_seq, value_scales, value_biases, 1, t, vi);
+  }
+};
+
+// The kernel's core, whatever the row source: one threadgroup's rows over
+// its split of the keys, then the simdgroups' merge and the output (or the
+// split's partials). queries [B, H_q, L, D], kv (a row source above), valid_lens
+// and kv_starts int32 [B] (or, paged, block_tables int32 [B, MB]: see
+// BatchedDecodeParams), sinks float32 [H_q] (all strided), out
+// [B, H_q, L, D] contiguous; split-K partials float32 [B, H_q, L, splits]
 // (max, sum) and [B, H_q, L, splits, D] (acc). Head dim D: the exact one of a
 // fast kernel, the largest a generic kernel takes (its own is p.head_dim).
-template <typename T, int D, bool GENERIC>
-[[kernel]] void batched_decode_attention(
-    const device T* queries [[buffer(0)]],
-    const device T* keys [[buffer(1)]],
-    const device T* values [[buffer(2)]],
-    const device int* valid_lens [[buffer(3)]],
-    const device int* kv_starts [[buffer(4)]],
-    const device float* sinks [[buffer(5)]],
-    device T* out [[buffer(6)]],
-    device float* partial_acc [[buffer(7)]],
-    device float* partial_max [[buffer(8)]],
-    device float* partial_sum [[buffer(9)]],
-    constant BatchedDecodeParams& p [[buffer(10)]],
-    uint3 tgid [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint num_sg [[simdgroups_per_threadgroup]]) {
+template <typename T, int D, bool GENERIC, typename Rows>
+inline void bda_attend(
+    const device T* queries,
+    Rows kv,
+    const device int* valid_lens,
+    const device int* kv_starts,
+    const device float* sinks,
+    device T* out,
+    device float* partial_acc,
+    device float* partial_max,
+    device float* partial_sum,
+    constant BatchedDecodeParams& p,
+    uint3 tgid,
+    uint tid,
+    uint sg,
+    uint lane,
+    uint num_sg) {
   // V elements per vector load (scalars for a generic head dim), C loads per
   // lane and row (32 * C * V >= D).
-  constexpr int V = GENERIC ? 1 : (D % 128 == 0 ? 4 : 2);
+  constexpr int V = bda_vector_width<D, GENERIC>();
   constexpr int C = (D / V + MBD_SIMD_WIDTH - 1) / MBD_SIMD_WIDTH;
   constexpr int RB = MBD_MAX_ROWS;
   static_assert(D % V == 0, "a fast head dim is a multiple of its vector width");
@@ -280,8 +399,7 @@ template <typename T, int D, bool GENERIC>
   const int begin = keys_lo + offset;
   const int end = begin + min(p.split_len, num_keys - offset);
 
-  const device T* kbase = keys + kv_head * p.k_head_stride;
-  const device T* vbase = values + kv_head * p.v_head_stride;
+  kv.seek(b, kv_head);
   for (int t = begin + int(sg); t < end; t += int(num_sg)) {
     // Uniform across the simdgroup (one t per simdgroup): skipping keeps simd_sum whole.
     const BdaRow row = bda_row(kv_starts, p, b, t);
@@ -295,8 +413,8 @@ template <typename T, int D, bool GENERIC>
       k[c] = floatv(0.0f);
       v[c] = floatv(0.0f);
       if (vi < nv) {
-        k[c] = bda_load<T, V>::row(kbase + row.k + vi * V, vectors);
-        v[c] = bda_load<T, V>::row(vbase + row.v + vi * V, vectors);
+        k[c] = kv.key(row, t, vi);
+        v[c] = kv.value(row, t, vi);
       }
     }
     for (int r = 0; r < RB; ++r) {
@@ -379,6 +497,66 @@ template <typename T, int D, bool GENERIC>
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
+}
+
+// The dense kernel: keys and values [B, H_kv, T, D] of T, strided views, or
+// pools [NB, BS, H_kv, D] read through block tables (p.block_size > 0).
+template <typename T, int D, bool GENERIC>
+[[kernel]] void batched_decode_attention(
+    const device T* queries [[buffer(0)]],
+    const device T* keys [[buffer(1)]],
+    const device T* values [[buffer(2)]],
+    const device int* valid_lens [[buffer(3)]],
+    const device int* kv_starts [[buffer(4)]],
+    const device float* sinks [[buffer(5)]],
+    device T* out [[buffer(6)]],
+    device float* partial_acc [[buffer(7)]],
+    device float* partial_max [[buffer(8)]],
+    device float* partial_sum [[buffer(9)]],
+    constant BatchedDecodeParams& p [[buffer(10)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint num_sg [[simdgroups_per_threadgroup]]) {
+  const BdaDenseRows<T, bda_vector_width<D, GENERIC>()> kv{
+      keys, values, p.k_head_stride, p.v_head_stride, bda_vector_loads};
+  bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, out, partial_acc, partial_max, partial_sum,
+                            p, tgid, tid, sg, lane, num_sg);
+}
+
+// The quantized kernel: keys and values as mx.quantize's (packed uint32
+// [B, H_kv, T, D * BITS / 32], scales and biases [B, H_kv, T, D / group_size]
+// of float16, bfloat16 or float32) triples, any strides but the words' last
+// axis. The reduce pass is batched_decode_attention_reduce's.
+template <typename T, int D, bool GENERIC, int BITS>
+[[kernel]] void quantized_batched_decode_attention(
+    const device T* queries [[buffer(0)]],
+    const device uint* keys [[buffer(1)]],
+    const device uint* values [[buffer(2)]],
+    const device int* valid_lens [[buffer(3)]],
+    const device int* kv_starts [[buffer(4)]],
+    const device float* sinks [[buffer(5)]],
+    device T* out [[buffer(6)]],
+    device float* partial_acc [[buffer(7)]],
+    device float* partial_max [[buffer(8)]],
+    device float* partial_sum [[buffer(9)]],
+    constant BatchedDecodeParams& p [[buffer(10)]],
+    const device uchar* key_scales [[buffer(11)]],
+    const device uchar* key_biases [[buffer(12)]],
+    const device uchar* value_scales [[buffer(13)]],
+    const device uchar* value_biases [[buffer(14)]],
+    constant QuantizedDecodeParams& q [[buffer(15)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint num_sg [[simdgroups_per_threadgroup]]) {
+  const BdaQuantizedRows<BITS, bda_vector_width<D, GENERIC>()> kv{
+      keys, values, key_scales, key_biases, value_scales, value_biases, p.k_batch_stride, p.k_head_stride,
+      p.k_seq_stride, p.v_batch_stride, p.v_head_stride, p.v_seq_stride, q, 0, 0};
+  bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, out, partial_acc, partial_max, partial_sum,
+                            p, tgid, tid, sg, lane, num_sg);
 }
 
 // Split-K second pass: merges the splits' (max, sum, acc) of one output row

@@ -7,6 +7,9 @@
 //   batched_decode_attention_<dtype>_upto<N>, batched_decode_attention_reduce_<dtype>_upto<N>:
 //     the generic path for every other D in 1..512, N the smallest of 32, 64,
 //     128, 256, 512 with D <= N; D read at run time, scalar loads.
+//   quantized_batched_decode_attention_<dtype>_<D>_<bits>bit (and _upto<N>_<bits>bit):
+//     the same on mx.quantize triples of bits 4 or 8, for the head dims that
+//     are multiples of 32 (the group sizes' multiple), with the reduce above.
 #include "batched_decode_attention.h"
 
 #define instantiate_batched_decode_attention(tname, type, dim, suffix, generic)   \
@@ -39,6 +42,32 @@
   instantiate_generic(tname, type, 256)                        \
   instantiate_generic(tname, type, 512)
 
+#define instantiate_quantized_kernel(tname, type, dim, suffix, generic, bits)                      \
+  template [[host_name("quantized_batched_decode_attention_" #tname "_" #suffix "_" #bits "bit")]] \
+  [[kernel]] decltype(quantized_batched_decode_attention<type, dim, generic, bits>)                 \
+      quantized_batched_decode_attention<type, dim, generic, bits>;
+
+#define instantiate_quantized_fast(tname, type, dim, bits) \
+  instantiate_quantized_kernel(tname, type, dim, dim, false, bits)
+#define instantiate_quantized_generic(tname, type, dim, bits) \
+  instantiate_quantized_kernel(tname, type, dim, upto##dim, true, bits)
+
+#define instantiate_quantized_dims_bits(tname, type, bits) \
+  instantiate_quantized_fast(tname, type, 32, bits)        \
+  instantiate_quantized_fast(tname, type, 64, bits)        \
+  instantiate_quantized_fast(tname, type, 96, bits)        \
+  instantiate_quantized_fast(tname, type, 128, bits)       \
+  instantiate_quantized_fast(tname, type, 160, bits)       \
+  instantiate_quantized_fast(tname, type, 192, bits)       \
+  instantiate_quantized_fast(tname, type, 256, bits)       \
+  instantiate_quantized_fast(tname, type, 512, bits)       \
+  instantiate_quantized_generic(tname, type, 256, bits)    \
+  instantiate_quantized_generic(tname, type, 512, bits)
+
+#define instantiate_quantized_dims(tname, type)  \
+  instantiate_quantized_dims_bits(tname, type, 4) \
+  instantiate_quantized_dims_bits(tname, type, 8)
+
 // Every kernel, unless MBD_KERNELS names the ones to compile instead: the
 // run-time library of one dtype and head dim (csrc/metal/kernel_library.h).
 #ifdef MBD_KERNELS
@@ -47,4 +76,7 @@ MBD_KERNELS
 instantiate_batched_decode_attention_dims(float16, half)
 instantiate_batched_decode_attention_dims(bfloat16, bfloat)
 instantiate_batched_decode_attention_dims(float32, float)
+instantiate_quantized_dims(float16, half)
+instantiate_quantized_dims(bfloat16, bfloat)
+instantiate_quantized_dims(float32, float)
 #endif

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "launch_plan.h"
+#include "quantized_launch_plan.h"
 
 namespace mlx_batched_decode {
 
@@ -42,6 +43,25 @@ inline std::string library_name(const std::string& source_hash, KernelDtype dtyp
  */
 inline std::string library_source(const std::string& source, KernelDtype dtype, int head_dim) {
   return "#define MBD_KERNELS " + kernel_instantiation(dtype, head_dim) + "\n" + source;
+}
+
+/** The .metal lines instantiating the quantized main kernel of (dtype, D, bits) and the reduce of (dtype, D). */
+inline std::string quantized_kernel_instantiation(KernelDtype dtype, int head_dim, int bits) {
+  const bool fast = is_fast_head_dim(head_dim);
+  return kernel_instantiation(dtype, head_dim) + " " + (fast ? "instantiate_quantized_fast(" : "instantiate_quantized_generic(") +
+      dtype_name(dtype) + ", " + msl_type(dtype) + ", " + std::to_string(kernel_head_dim(head_dim)) + ", " +
+      std::to_string(bits) + ")";
+}
+
+/** Name of the run-time library of the quantized kernel of (dtype, D, bits). */
+inline std::string quantized_library_name(const std::string& source_hash, KernelDtype dtype, int head_dim, int bits) {
+  return "mlx_batched_decode_" + source_hash + "_quantized_" + kernel_suffix(dtype, head_dim) + "_" +
+      std::to_string(bits) + "bit";
+}
+
+/** The source of that library, as library_source. */
+inline std::string quantized_library_source(const std::string& source, KernelDtype dtype, int head_dim, int bits) {
+  return "#define MBD_KERNELS " + quantized_kernel_instantiation(dtype, head_dim, bits) + "\n" + source;
 }
 
 } // namespace mlx_batched_decode

@@ -19,6 +19,7 @@ from ._ext import (
     metal_backend,
     metal_source,
     paged_decode_attention,
+    quantized_batched_decode_attention,
     reference_attention,
     reference_paged_attention,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "metal_backend",
     "metal_source",
     "paged_decode_attention",
+    "quantized_batched_decode_attention",
     "reference_attention",
     "reference_paged_attention",
 ]
@@ -39,7 +41,7 @@ __all__ = [
 # The decode layer (issue 4): per-step context, KV caches, attention paths, mlx-lm adapter,
 # speculative decoding.
 # None of these imports mlx-lm at import time; it is needed only to run a BatchedDecoder.
-from .attention import DecodeAttention, SeedAttention, SlotAttention
+from .attention import DecodeAttention, QuantizedSlotAttention, SeedAttention, SlotAttention
 from .block_allocator import BlockAllocator, BlockBudgetError
 from .context import BatchedDecodeContext
 from .decoder import BatchedDecoder, DecodeStats, StepResult
@@ -47,6 +49,7 @@ from .kv_cache import ContiguousKVCache, SlotKVCache
 from .paged_attention import PagedAttention
 from .paged_context import PagedDecodeContext
 from .paged_kv_cache import PagedKVCache
+from .quantized_kv_cache import QuantizedSlotKVCache
 from .sampling import Sampler
 
 __all__ += [
@@ -60,6 +63,8 @@ __all__ += [
     "PagedAttention",
     "PagedDecodeContext",
     "PagedKVCache",
+    "QuantizedSlotAttention",
+    "QuantizedSlotKVCache",
     "Sampler",
     "SeedAttention",
     "SlotAttention",

@@ -7,6 +7,13 @@ and prints generated tokens/s for this project, the seed-style path (per-request
 concatenate, masked SDPA) and mlx-lm's ``batch_generate`` on the same model and prompts.
 Exits with status 1 when a request of this project's path differs from its single-request decode.
 
+With ``--kv-bits 8`` (or 4) a fourth path keeps the keys and values quantized
+(``BatchedDecoder(kv_bits=...)``, mlx-lm's ``QuantizedKVCache`` format, read by
+``quantized_batched_decode_attention``); its tokens are checked against mlx-lm's single-request
+decode at the same settings, ``generate_step(kv_bits=..., kv_group_size=...,
+quantized_kv_start=0)``, and so is the exit status. mlx-lm's ``batch_generate`` has no quantized
+cache: its row stays unquantized.
+
 With ``--tensor-parallel``, started under ``mlx.launch`` (e.g. ``mlx.launch -n 2 --backend ring
 --python "$(which python)" -- -m mlx_batched_decode --tensor-parallel``), every rank shards the
 model over ``mx.distributed.init()``'s group with mlx-lm's ``model.shard`` and runs the same
@@ -69,6 +76,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=40, help="tokens to generate per request")
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the random weights and prompts"
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        help="also decode with the keys and values quantized to this many bits (mlx-lm's format)",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=(32, 64, 128),
+        default=64,
+        help="elements per quantization group with --kv-bits (default 64)",
     )
     parser.add_argument(
         "--tensor-parallel",
@@ -151,18 +171,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.max_tokens} new tokens each, greedy"
     )
 
-    def single_request(prompt: list[int]) -> list[int]:
+    quantization = dict(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+
+    def single_request(prompt: list[int], quantized: bool = False) -> list[int]:
+        options = dict(quantization, quantized_kv_start=0) if quantized else {}
         tokens = []
         for token, _ in generate_step(
-            mx.array(prompt), reference_model, max_tokens=args.max_tokens
+            mx.array(prompt), reference_model, max_tokens=args.max_tokens, **options
         ):
             if token in stop_tokens:
                 break
             tokens.append(token)
         return tokens
 
-    def ours(name: str, path: str, progress: bool) -> _Run:
-        decoder = BatchedDecoder(model, attention=path)
+    def ours(name: str, path: str, progress: bool, quantized: bool = False) -> _Run:
+        decoder = BatchedDecoder(model, attention=path, **(quantization if quantized else {}))
         tokens = decoder.generate(
             prompts, args.max_tokens, stop_tokens=stop_tokens, progress=progress and is_root
         )
@@ -192,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     # Warm-up: the first call of each path pays one-time costs we do not want in the table.
     BatchedDecoder(model).generate(prompts[:2], 2)
     BatchedDecoder(model, attention="seed").generate(prompts[:2], 2)
+    if args.kv_bits is not None:
+        BatchedDecoder(model, **quantization).generate(prompts[:2], 2)
     mlx_lm_batch(prompts[:2], 2)
 
     say("decoding with mlx-batched-decode:", file=sys.stderr)
@@ -201,11 +226,17 @@ def main(argv: list[str] | None = None) -> int:
         mlx_lm_run("mlx-lm batch_generate"),
     ]
     expected = [single_request(p) for p in prompts]
+    # Each run's tokens against the single-request decode at its own cache settings.
+    references = [expected] * len(runs)
+    if args.kv_bits is not None:
+        bits = f"{args.kv_bits}-bit"
+        runs.insert(1, ours(f"mlx-batched-decode, {bits} KV (quantized op)", "slot", False, True))
+        references.insert(1, [single_request(p, quantized=True) for p in prompts])
 
     rows = [("path", "tokens", "prefill s", "decode s", "decode tokens/s", "= single-request")]
-    for run in runs:
+    for run, reference_tokens in zip(runs, references):
         generated = sum(len(t) for t in run.tokens)
-        same = sum(t == e for t, e in zip(run.tokens, expected))
+        same = sum(t == e for t, e in zip(run.tokens, reference_tokens))
         rows.append(
             (
                 run.name,
@@ -218,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     say("same model, same prompts, greedy; decode tokens/s = generated tokens / decode time:")
+    if args.kv_bits is not None:
+        say(
+            f"(the {bits} row is checked against mlx-lm's single-request decode with kv_bits="
+            f"{args.kv_bits}, kv_group_size={args.kv_group_size}, quantized_kv_start=0)"
+        )
     for row in rows:
         say(
             "  ".join(
@@ -239,13 +275,21 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     reference = "the unsharded model's" if group is not None else "its"
-    mismatched = [i for i, (t, e) in enumerate(zip(runs[0].tokens, expected)) if t != e]
-    if mismatched:
-        rank = f"rank {group.rank()}: " if group is not None else ""
-        print(
-            f"FAILED: {rank}requests {mismatched} differ from {reference} single-request decode",
-            file=sys.stderr,
-        )
+    checked = [0, 1] if args.kv_bits is not None else [0]
+    failed = False
+    for index in checked:
+        mismatched = [
+            i for i, (t, e) in enumerate(zip(runs[index].tokens, references[index])) if t != e
+        ]
+        if mismatched:
+            rank = f"rank {group.rank()}: " if group is not None else ""
+            print(
+                f"FAILED: {rank}{runs[index].name}: requests {mismatched} differ from "
+                f"{reference} single-request decode",
+                file=sys.stderr,
+            )
+            failed = True
+    if failed:
         return 1
     say(f"OK: every request's tokens equal {reference} single-request decode")
     return 0

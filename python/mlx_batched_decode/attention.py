@@ -1,10 +1,13 @@
 """The attention wrapper a model's attention layer calls once per layer in a decode step.
 
-Two paths with the same interface:
+Three paths with the same interface:
 
 - ``SlotAttention`` (default): every request's new K/V goes into the layer's ``SlotKVCache`` with
   one scatter, and ``batched_decode_attention`` reads ``buffer[:B, :, :max_len]`` in place with
   the context's ``valid_lens``, the layer's window and sinks. No pad, no concatenate, no mask.
+- ``QuantizedSlotAttention``: the same over a ``QuantizedSlotKVCache`` (mlx-lm's 8- or 4-bit
+  ``mx.quantize`` triples): the new K/V are quantized once and scattered, and
+  ``quantized_batched_decode_attention`` reads the triples of views in place.
 - ``SeedAttention``: the seed design of DESIGN.md section 1, kept as the baseline: per-request
   ``ContiguousKVCache``, right padding to ``max_len``, concatenation into one batch, an additive
   mask rebuilt per layer, ``mx.fast.scaled_dot_product_attention``.
@@ -30,6 +33,7 @@ import mlx_batched_decode
 
 from .context import BatchedDecodeContext
 from .kv_cache import ContiguousKVCache, SlotKVCache
+from .quantized_kv_cache import QuantizedSlotKVCache, Triple, check_quantization
 
 
 def _default_scale(queries: mx.array, scale: Optional[float]) -> float:
@@ -44,7 +48,8 @@ class DecodeAttention(ABC):
     def update(
         self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """New ``[B, H_kv, L, D]`` keys/values -> the ``[B, H_kv, T, D]`` keys/values to attend."""
+        """New ``[B, H_kv, L, D]`` keys/values -> the ``[B, H_kv, T, D]`` keys/values to attend
+        (on the quantized path, their ``(packed, scales, biases)`` triples)."""
 
     @abstractmethod
     def attend(
@@ -109,6 +114,57 @@ class SlotAttention(DecodeAttention):
         """``queries [B, H_q, L, D]`` over the views from ``update`` -> ``[B, H_q, L, D]``."""
         return mlx_batched_decode.batched_decode_attention(
             queries, keys, values, context.valid_lens, scale=scale, window=window, sinks=sinks
+        )
+
+
+class QuantizedSlotAttention(DecodeAttention):
+    """The zero-copy path over quantized keys/values: ``context.layer_caches[layer]`` is a
+    ``QuantizedSlotKVCache`` of ``bits`` and ``group_size``; what ``update`` returns and
+    ``attend`` reads are ``(packed, scales, biases)`` triples."""
+
+    def __init__(self, group_size: int = 64, bits: int = 8):
+        check_quantization("QuantizedSlotAttention", bits, group_size)
+        self.group_size = group_size
+        self.bits = bits
+
+    def update(
+        self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: mx.array
+    ) -> tuple[Triple, Triple]:
+        """Quantize and write the new ``[B, H_kv, L, D]`` keys/values; return the triples of
+        ``[B, H_kv, max_len, *]`` views."""
+        cache = context.layer_caches[layer]
+        if not (
+            isinstance(cache, QuantizedSlotKVCache)
+            and (cache.bits, cache.group_size) == (self.bits, self.group_size)
+        ):
+            raise TypeError(
+                f"[QuantizedSlotAttention] layer {layer} needs a QuantizedSlotKVCache with "
+                f"bits={self.bits}, group_size={self.group_size}, got {cache!r}"
+            )
+        return cache.update(keys, values, context)
+
+    def attend(
+        self,
+        context: BatchedDecodeContext,
+        queries: mx.array,
+        keys: Triple,
+        values: Triple,
+        *,
+        scale: Optional[float] = None,
+        window: Optional[int] = None,
+        sinks: Optional[mx.array] = None,
+    ) -> mx.array:
+        """``queries [B, H_q, L, D]`` over the triples from ``update`` -> ``[B, H_q, L, D]``."""
+        return mlx_batched_decode.quantized_batched_decode_attention(
+            queries,
+            keys,
+            values,
+            context.valid_lens,
+            group_size=self.group_size,
+            bits=self.bits,
+            scale=scale,
+            window=window,
+            sinks=sinks,
         )
 
 

@@ -29,6 +29,7 @@ from .kv_cache import SlotKVCache
 from .paged_kv_cache import PagedKVCache
 from .paged_served_model import PagedServedModel
 from .progress import ProgressBar
+from .quantized_kv_cache import QuantizedSlotKVCache, check_quantization
 from .sampling import Sampler
 from .served_model import ServedModel
 from .speculative import speculative_round
@@ -113,6 +114,13 @@ class BatchedDecoder:
             until then it waits, and it never waits once decoding.
         max_cached_blocks: the most prompt blocks no request holds that are kept for later
             requests (paged layout with prefix sharing), least recently used out first.
+        kv_bits: 8 or 4 to keep keys and values quantized (``QuantizedSlotKVCache`` +
+            ``quantized_batched_decode_attention``), as mlx-lm's ``generate_step(kv_bits=...,
+            kv_group_size=..., quantized_kv_start=0)`` does, the draft model's too; ``None``
+            (default) keeps them in the model's dtype. Needs ``attention="slot"`` and
+            ``kv_layout="slot"``.
+        kv_group_size: elements per quantization group (32, 64 or 128; it must divide the head
+            dims), with ``kv_bits``.
 
     Raises ``ValueError`` (``[BatchedDecoder] ...``) for a model it cannot serve, naming why.
     """
@@ -131,6 +139,8 @@ class BatchedDecoder:
         prefix_sharing: bool = True,
         max_kv_blocks: Optional[int] = None,
         max_cached_blocks: int = 256,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
     ):
         if kv_layout not in ("slot", "paged"):
             raise ValueError(
@@ -160,6 +170,17 @@ class BatchedDecoder:
             raise ValueError(
                 f"[BatchedDecoder] attention must be 'slot' or 'seed', got {attention!r}"
             )
+        if kv_bits is not None:
+            check_quantization("BatchedDecoder", kv_bits, kv_group_size)
+            if kv_layout != "slot":
+                raise ValueError(
+                    "[BatchedDecoder] kv_bits needs kv_layout='slot': paged pools are not quantized"
+                )
+            if attention != "slot":
+                raise ValueError(
+                    "[BatchedDecoder] kv_bits needs attention='slot': the seed path keeps "
+                    "unquantized per-request caches"
+                )
         if num_draft_tokens < 1:
             raise ValueError(
                 f"[BatchedDecoder] num_draft_tokens must be >= 1, got {num_draft_tokens}"
@@ -171,6 +192,8 @@ class BatchedDecoder:
         self.kv_step = kv_step
         self.prefill_step_size = prefill_step_size
         self.kv_layout = kv_layout
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
         self._paged: Optional[PagedServedModel] = None
         if kv_layout == "paged":
             self._paged = PagedServedModel(
@@ -184,11 +207,13 @@ class BatchedDecoder:
         self._target = (
             self._paged
             if self._paged is not None
-            else ServedModel(model, attention, kv_step, prefill_step_size)
+            else ServedModel(model, attention, kv_step, prefill_step_size, kv_bits, kv_group_size)
         )
         self._draft: Optional[ServedModel] = None
         if draft_model is not None:
-            self._draft = ServedModel(draft_model, attention, kv_step, prefill_step_size)
+            self._draft = ServedModel(
+                draft_model, attention, kv_step, prefill_step_size, *quantization
+            )
             target_vocab, draft_vocab = self._target.vocab_size(), self._draft.vocab_size()
             if target_vocab != draft_vocab:
                 raise ValueError(
@@ -212,9 +237,9 @@ class BatchedDecoder:
         return len(self._waiting)
 
     @property
-    def slot_caches(self) -> Optional[list[SlotKVCache]]:
-        """The target's per-layer slot caches on the zero-copy path (``None`` on the seed path
-        and with the paged layout)."""
+    def slot_caches(self) -> Optional[list[Union[SlotKVCache, QuantizedSlotKVCache]]]:
+        """The target's per-layer slot caches on the zero-copy path (``QuantizedSlotKVCache``
+        with ``kv_bits``; ``None`` on the seed path and with the paged layout)."""
         return None if self._paged is not None else self._target.slot_caches
 
     @property
@@ -223,7 +248,7 @@ class BatchedDecoder:
         return None if self._paged is None else self._paged.cache
 
     @property
-    def draft_slot_caches(self) -> Optional[list[SlotKVCache]]:
+    def draft_slot_caches(self) -> Optional[list[Union[SlotKVCache, QuantizedSlotKVCache]]]:
         """The draft's per-layer slot caches (``None`` on the seed path or without a draft)."""
         return None if self._draft is None else self._draft.slot_caches
 

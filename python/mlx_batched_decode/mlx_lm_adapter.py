@@ -15,10 +15,12 @@ offsets, also with L > 1 tokens per request), ``update_and_fetch`` is the attent
 and ``make_mask`` returns ``None``: the causal order of the L rows, each request's length and the
 layer's window travel as the context's ``valid_lens`` and the cache's ``window``. The last call
 is a module-level function of mlx-lm that never asks its cache to attend, so ``route_attention``
-rebinds that name, in the model's own modules and only while a decode step runs, to a function
-that sends ``StepLayerCache`` layers (with their sinks) to our attention and every other cache to
-mlx-lm's original. The model's code is not changed. mlx-lm is imported lazily: the core package
-does not need it.
+rebinds that name, in the model's own modules and only while a decode step (or a quantized
+prefill) runs, to a function that sends ``StepLayerCache`` layers (with their sinks) to our
+attention, and a prefill chunk with sinks over mlx-lm's ``QuantizedKVCache`` (which mlx-lm's
+quantized attention refuses) to ``quantized_batched_decode_attention``; every other cache goes
+to mlx-lm's original. The model's code is not changed. mlx-lm is imported lazily: the core
+package does not need it.
 
 Dimension legend: B = requests in the step, L = new tokens per request in the step,
 H_q = query heads, H_kv = key/value heads, T = key/value positions, D = head dimension.
@@ -32,6 +34,8 @@ from typing import Any, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+
+import mlx_batched_decode
 
 from .attention import DecodeAttention
 from .context import BatchedDecodeContext
@@ -132,12 +136,17 @@ def mlx_lm_attention_modules(model: nn.Module) -> list[Any]:
 
 @contextmanager
 def route_attention(python_modules: list[Any]) -> Iterator[None]:
-    """While active, ``StepLayerCache`` layers of these modules attend with our attention path."""
+    """While active, ``StepLayerCache`` layers of these modules attend with our attention path,
+    and so do layers with sinks over mlx-lm's ``QuantizedKVCache`` (a chunk of a quantized
+    prefill), whose attention mlx-lm refuses."""
     from mlx_lm.models import base
+    from mlx_lm.models.cache import QuantizedKVCache
 
     original = base.scaled_dot_product_attention
 
     def routed(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, QuantizedKVCache) and sinks is not None:
+            return quantized_chunk_attention(queries, keys, values, cache, scale, mask, sinks)
         if not isinstance(cache, StepLayerCache):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         if mask is not None:
@@ -151,3 +160,32 @@ def route_attention(python_modules: list[Any]) -> Iterator[None]:
     finally:
         for python_module in python_modules:
             python_module.scaled_dot_product_attention = original
+
+
+def quantized_chunk_attention(
+    queries: mx.array,
+    keys: tuple[mx.array, mx.array, mx.array],
+    values: tuple[mx.array, mx.array, mx.array],
+    cache: Any,
+    scale: float,
+    mask: Any,
+    sinks: mx.array,
+) -> mx.array:
+    """One prefill chunk's causal attention with sinks over a ``QuantizedKVCache``: queries
+    ``[1, H_q, L, D]`` over the triples ``[1, H_kv, T, *]`` it returned, whose last L positions
+    are the chunk's (the op's L rows); ``mask`` must be mlx-lm's causal one."""
+    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+        raise ValueError(
+            "[BatchedDecoder] a quantized prefill with attention sinks supports causal masks only"
+        )
+    lengths = mx.array([keys[0].shape[2]], dtype=mx.int32)
+    return mlx_batched_decode.quantized_batched_decode_attention(
+        queries,
+        keys,
+        values,
+        lengths,
+        group_size=cache.group_size,
+        bits=cache.bits,
+        scale=scale,
+        sinks=sinks,
+    )

@@ -3,7 +3,8 @@
 A ``ServedModel`` holds what decoding one model needs besides the scheduler: the Python modules
 whose attention is routed, each layer's window (from mlx-lm's own caches), and the keys/values
 of every active request, one row per request in the scheduler's order: one ``SlotKVCache`` per
-layer on the zero-copy path, or one ``ContiguousKVCache`` per request and layer on the seed path.
+layer on the zero-copy path (a ``QuantizedSlotKVCache`` with ``kv_bits``), or one
+``ContiguousKVCache`` per request and layer on the seed path.
 ``BatchedDecoder`` serves its target model, and its draft model when it decodes speculatively,
 each through one of these.
 
@@ -13,50 +14,89 @@ V = vocabulary size.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import DecodeAttention, SeedAttention, SlotAttention
+from .attention import DecodeAttention, QuantizedSlotAttention, SeedAttention, SlotAttention
 from .context import BatchedDecodeContext
 from .kv_cache import ContiguousKVCache, SlotKVCache
 from .mlx_lm_adapter import StepLayerCache, mlx_lm_attention_modules, route_attention
 from .mlx_lm_prefill import layer_windows, prefill, prompt_caches
+from .quantized_kv_cache import QuantizedSlotKVCache
 
 
 class ServedModel:
-    """An mlx-lm model, its attention routed to ``attention`` (``"slot"`` or ``"seed"``).
+    """An mlx-lm model, its attention routed to ``attention`` (``"slot"`` or ``"seed"``); with
+    ``kv_bits`` (``"slot"`` only) its keys and values are kept quantized, ``kv_bits`` bits per
+    element in groups of ``kv_group_size``, in mlx-lm's ``QuantizedKVCache`` format.
 
     Raises ``ValueError`` for models it cannot serve: attention that does not go through
-    mlx-lm's ``scaled_dot_product_attention``, or layers whose cache is neither ``KVCache`` nor
-    a plain ``RotatingKVCache``.
+    mlx-lm's ``scaled_dot_product_attention``, layers whose cache is neither ``KVCache`` nor
+    a plain ``RotatingKVCache``, or a head dim that ``kv_group_size`` does not divide.
     """
 
-    def __init__(self, model: nn.Module, attention: str, kv_step: int, prefill_step_size: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        attention: str,
+        kv_step: int,
+        prefill_step_size: int,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
+    ):
         self.model = model
         self.kv_step = kv_step
         self.prefill_step_size = prefill_step_size
-        self.attention: DecodeAttention = (
-            SlotAttention() if attention == "slot" else SeedAttention()
-        )
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
         self.routed_modules = mlx_lm_attention_modules(model)
         self.windows = layer_windows(model)
         self.num_layers = len(self.windows)
-        self.slot_caches: Optional[list[SlotKVCache]] = (
-            [SlotKVCache(kv_step) for _ in range(self.num_layers)] if attention == "slot" else None
-        )
+        self.slot_caches: Optional[list[Union[SlotKVCache, QuantizedSlotKVCache]]] = None
+        if kv_bits is not None:
+            self._check_group_size()
+            self.attention: DecodeAttention = QuantizedSlotAttention(kv_group_size, kv_bits)
+            self.slot_caches = [
+                QuantizedSlotKVCache(kv_group_size, kv_bits, kv_step)
+                for _ in range(self.num_layers)
+            ]
+        elif attention == "slot":
+            self.attention = SlotAttention()
+            self.slot_caches = [SlotKVCache(kv_step) for _ in range(self.num_layers)]
+        else:
+            self.attention = SeedAttention()
         # Seed path: seed_rows[b][layer] is request b's own cache of that layer.
         self.seed_rows: list[list[ContiguousKVCache]] = []
 
+    def _one_token(self) -> tuple[mx.array, list[Any]]:
+        """One token through mlx-lm's own caches: its logits ``[1, 1, V]`` and the caches."""
+        caches = prompt_caches(self.model)
+        return self.model(mx.zeros((1, 1), dtype=mx.int32), cache=caches), caches
+
     def vocab_size(self) -> int:
-        """V, the logits one token gets: measured with one token through mlx-lm's own caches."""
-        logits = self.model(mx.zeros((1, 1), dtype=mx.int32), cache=prompt_caches(self.model))
-        return logits.shape[-1]
+        """V, the logits one token gets."""
+        return self._one_token()[0].shape[-1]
+
+    def _check_group_size(self) -> None:
+        """ValueError unless ``kv_group_size`` divides every layer's key and value head dims,
+        measured with one token through mlx-lm's own caches."""
+        for layer, cache in enumerate(self._one_token()[1]):
+            for name, dim in (("key", cache.keys.shape[-1]), ("value", cache.values.shape[-1])):
+                if dim % self.kv_group_size:
+                    raise ValueError(
+                        f"[BatchedDecoder] kv_group_size {self.kv_group_size} does not divide "
+                        f"layer {layer}'s {name} head dim {dim}"
+                    )
 
     def admit(self, row: int, prompt: Sequence[int]) -> None:
         """Prefill ``prompt`` (token ids, may be empty) into row ``row``, the next free one."""
-        layers_kv = prefill(self.model, list(prompt), self.prefill_step_size) if prompt else None
+        layers_kv = None
+        if prompt:
+            layers_kv = prefill(
+                self.model, list(prompt), self.prefill_step_size, self.kv_bits, self.kv_group_size
+            )
         if self.slot_caches is not None:
             if layers_kv is not None:
                 for cache, (keys, values) in zip(self.slot_caches, layers_kv):
@@ -108,4 +148,10 @@ class ServedModel:
             caches = self.slot_caches
         else:
             caches = [c for row in self.seed_rows for c in row]
-        return [a for c in caches if c.keys is not None for a in (c.keys, c.values)]
+        arrays = []
+        for c in caches:
+            if isinstance(c, QuantizedSlotKVCache):
+                arrays += c.buffers()
+            elif c.keys is not None:
+                arrays += [c.keys, c.values]
+        return arrays

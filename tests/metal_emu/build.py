@@ -75,6 +75,8 @@ def kernel_text(source: Path = KERNEL_DIR) -> str:
 def _harness_files() -> list[Path]:
     return sorted([*HARNESS.glob("*.h"), *HARNESS.glob("*.cpp"), HARNESS / "include" / "metal_stdlib",
                    REPO / "csrc" / "metal" / "launch_plan.h", REPO / "csrc" / "metal" / "kernel_library.h",
+                   REPO / "csrc" / "metal" / "quantized_launch_plan.h",
+                   REPO / "csrc" / "kernels" / "quantized_batched_decode_attention_params.h",
                    REPO / "csrc" / "metal" / "backend_choice.h", REPO / "csrc" / "head_dims.h",
                    REPO / "csrc" / "kernels" / "batched_decode_attention_params.h"])
 

@@ -97,6 +97,11 @@ class EmulatedLibrary:
             ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(ctypes.c_longlong * 12), *[ctypes.c_void_p] * 6,
             ctypes.POINTER(ctypes.c_ulonglong * 6), ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_char_p,
             ctypes.c_int, ctypes.c_void_p]
+        self._lib.mbd_emu_quantized_attention.argtypes = [
+            ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(ctypes.c_longlong * 12),
+            ctypes.POINTER(ctypes.c_longlong * 16), ctypes.POINTER(ctypes.c_int * 3), *[ctypes.c_void_p] * 6,
+            ctypes.POINTER(ctypes.c_void_p * 4), ctypes.POINTER(ctypes.c_ulonglong * 10), ctypes.c_void_p,
+            ctypes.c_float, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         self._lib.mbd_emu_last_launch.argtypes = [ctypes.POINTER(Launch)]
         self._lib.mbd_emu_library_name.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p]
         self._lib.mbd_emu_library_source.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p,
@@ -226,6 +231,47 @@ class EmulatedLibrary:
             (ctypes.c_longlong * 12)(*(s // itemsize for s in strides), valid_lens.strides[0] // 4, 0,
                                      0 if sinks is None else sinks.strides[0] // 4),
             *addresses, spans, out.ctypes.data, scale, BACKENDS["fibers"], error, 4096, paged)
+        if status:
+            raise HarnessError(error.value.decode())
+        return out
+
+    def quantized_attention(self, queries: np.ndarray, keys: tuple, values: tuple, valid_lens: np.ndarray,
+                            dtype: str, scale: float, bits: int, group_size: int, scales_dtype: str, *,
+                            kv_starts: np.ndarray | None = None, window: int | None = None,
+                            sinks: np.ndarray | None = None, max_threads: int = 1024,
+                            backend: str = "fibers") -> np.ndarray:
+        """Runs the emulated quantized kernel and its reduce; returns [B, H_q, L, D] in the storage dtype.
+
+        ``keys``, ``values``: (packed uint32 [B, H_kv, T, D * bits / 32], scales, biases
+        [B, H_kv, T, D / group_size] in the storage of ``scales_dtype``), any strides but the
+        words' last axis; the rest as ``attention`` (NaN margins around every buffer).
+        """
+        b, h_q, rows, d = queries.shape
+        h_kv, t = keys[0].shape[1], keys[0].shape[2]
+        for name, triple in (("keys", keys), ("values", values)):
+            if triple[0].dtype != np.uint32 or (triple[0].size and triple[0].strides[-1] != 4):
+                raise ValueError(f"{name}: packed words must be uint32 with a contiguous last axis")
+            if any(a.dtype != STORAGE[scales_dtype] for a in triple[1:]):
+                raise ValueError(f"{name}: scales and biases must be stored as {scales_dtype}")
+        itemsize = queries.itemsize
+        strides = [*(s // itemsize for s in queries.strides[:3]), *(s // 4 for s in keys[0].strides[:3]),
+                   *(s // 4 for s in values[0].strides[:3])]
+        arrays = (queries, keys[0], values[0], valid_lens, kv_starts, sinks, keys[1], keys[2], values[1], values[2])
+        copies = [None if a is None else _device_copy(a, True) for a in arrays]
+        addresses = [None if c is None else c[1] for c in copies]
+        spans = (ctypes.c_ulonglong * 10)(*(0 if c is None else c[2] for c in copies))
+        option_strides = [0 if a is None else a.strides[0] // 4 for a in (kv_starts, sinks)]
+        scale_itemsize = keys[1].itemsize
+        quantized_strides = [s // scale_itemsize for a in arrays[6:] for s in a.strides]
+        out = np.full((b, h_q, rows, d), 0xFFFF if dtype == "bfloat16" else np.nan, dtype=STORAGE[dtype])
+        error = ctypes.create_string_buffer(4096)
+        status = self._lib.mbd_emu_quantized_attention(
+            self._shape(b, h_q, h_kv, rows, t, d, effective_window(window, t), dtype, max_threads,
+                        kv_starts is not None, sinks is not None),
+            (ctypes.c_longlong * 12)(*strides, valid_lens.strides[0] // 4, *option_strides),
+            (ctypes.c_longlong * 16)(*quantized_strides), (ctypes.c_int * 3)(bits, group_size, DTYPES[scales_dtype]),
+            *addresses[:6], (ctypes.c_void_p * 4)(*addresses[6:]), spans, out.ctypes.data, scale,
+            BACKENDS[backend], error, 4096)
         if status:
             raise HarnessError(error.value.decode())
         return out

@@ -13,6 +13,7 @@
 #include "metal/backend_choice.h"
 #include "metal/kernel_library.h"
 #include "metal/launch_plan.h"
+#include "metal/quantized_launch_plan.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -42,9 +43,9 @@ void copy3(const Size3& s, unsigned out[3]) {
 
 // The buffers bound at the kernels' indices, each counted once: an absent
 // option or an unused partial is bound to another buffer's memory.
-std::vector<emu::WatchedBuffer> distinct_buffers(void* const* buffers, const unsigned long long* bytes) {
+std::vector<emu::WatchedBuffer> distinct_buffers(void* const* buffers, const unsigned long long* bytes, int count) {
   std::vector<emu::WatchedBuffer> out;
-  for (int i = 0; i <= kParams; ++i) {
+  for (int i = 0; i < count; ++i) {
     const char* begin = static_cast<const char*>(buffers[i]);
     bool seen = false;
     for (const emu::WatchedBuffer& w : out) {
@@ -55,6 +56,20 @@ std::vector<emu::WatchedBuffer> distinct_buffers(void* const* buffers, const uns
     }
   }
   return out;
+}
+
+// Binds the inputs, the output and the params at their indices as eval_gpu does.
+void bind_inputs(const LaunchShape& s, void** buffers, const void* queries, const void* keys, const void* values,
+                 const int* valid_lens, const int* kv_starts, const float* sinks, void* out, void* params) {
+  buffers[kQueries] = const_cast<void*>(queries);
+  buffers[kKeys] = const_cast<void*>(keys);
+  buffers[kValues] = const_cast<void*>(values);
+  buffers[kValidLens] = const_cast<int*>(valid_lens);
+  // As eval_gpu: an absent option is bound to valid_lens, and the params say it is absent.
+  buffers[kKvStarts] = s.has_kv_starts ? const_cast<int*>(kv_starts) : const_cast<int*>(valid_lens);
+  buffers[kSinks] = s.has_sinks ? static_cast<void*>(const_cast<float*>(sinks)) : const_cast<int*>(valid_lens);
+  buffers[kOut] = out;
+  buffers[kParams] = params;
 }
 
 } // namespace
@@ -109,6 +124,53 @@ int mbd_emu_plan(const int shape[11], MbdPlan* out, char* error, int error_len) 
 }
 
 /**
+ * Binds what eval_gpu binds past the inputs (the split-K partials, NaN-filled
+ * so that a split that wrote nothing shows up in the result; buffers[kOut]
+ * is set by the caller) and dispatches the main pass and, when split, the
+ * reduce. buffers[0 .. count) are bound at their indices; input_bytes: the
+ * bytes of every input buffer (by index; the outputs' are set here), for the
+ * load counts.
+ */
+static std::string run_passes(const LaunchShape& s, const LaunchPlan& plan, void** buffers,
+                              unsigned long long* bytes, int count, bool vectors, int backend) {
+  last_launch.vector_loads = vectors;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> partial_acc(plan.partial_acc_elems, nan);
+  std::vector<float> partial_max(plan.partial_stats_elems, nan);
+  std::vector<float> partial_sum(plan.partial_stats_elems, nan);
+  // Single pass never touches the partials; Metal still wants every argument bound.
+  const bool split = plan.num_splits > 1;
+  void* out = buffers[kOut];
+  buffers[kPartialAcc] = split ? static_cast<void*>(partial_acc.data()) : out;
+  buffers[kPartialMax] = split ? static_cast<void*>(partial_max.data()) : out;
+  buffers[kPartialSum] = split ? static_cast<void*>(partial_sum.data()) : out;
+  const uint64_t out_bytes = uint64_t(s.batch) * s.num_q_heads * s.num_rows * s.head_dim * dtype_size(s.dtype);
+  bytes[kOut] = out_bytes;
+  bytes[kPartialAcc] = split ? partial_acc.size() * sizeof(float) : out_bytes;
+  bytes[kPartialMax] = split ? partial_max.size() * sizeof(float) : out_bytes;
+  bytes[kPartialSum] = split ? partial_sum.size() * sizeof(float) : out_bytes;
+  const std::vector<emu::WatchedBuffer> watched = distinct_buffers(buffers, bytes, count);
+
+  unsigned grid[3], group[3];
+  copy3(plan.grid, grid);
+  copy3(plan.group, group);
+  const emu::ConstantValue constants[] = {{MBD_FC_ROWS, &plan.rows_per_group, sizeof(int)},
+                                          {MBD_FC_VECTOR_LOADS, &vectors, sizeof(bool)}};
+  emu::watch_buffers(watched.data(), int(watched.size()));
+  std::string problem =
+      emu::dispatch(plan.kernel.c_str(), buffers, count, grid, group, emu::Backend(backend), constants, 2);
+  emu::loaded_bytes(last_launch.loaded[0]);
+  if (problem.empty() && split) {
+    copy3(plan.reduce_grid, grid);
+    copy3(plan.reduce_group, group);
+    emu::watch_buffers(watched.data(), int(watched.size()));
+    problem = emu::dispatch(plan.reduce_kernel.c_str(), buffers, count, grid, group, emu::Backend(backend));
+    emu::loaded_bytes(last_launch.loaded[1]);
+  }
+  return problem;
+}
+
+/**
  * Emulated batched decode attention. strides = {q batch, q head, q row, k batch,
  * k head, k seq, v batch, v head, v seq, lens, starts, sinks} in elements;
  * kv_starts and sinks may be null when the shape says they are absent;
@@ -142,56 +204,68 @@ int mbd_emu_attention(const int shape[11], const long long strides[12], const vo
     const InputOffsets offsets{int64_t(reinterpret_cast<std::uintptr_t>(queries)),
                                int64_t(reinterpret_cast<std::uintptr_t>(keys)),
                                int64_t(reinterpret_cast<std::uintptr_t>(values))};
-    const bool vectors = vector_loads(s, plan, st, offsets, layout);
-    last_launch.vector_loads = vectors;
-
-    // NaN-filled partials: a split that wrote nothing shows up in the result.
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    std::vector<float> partial_acc(plan.partial_acc_elems, nan);
-    std::vector<float> partial_max(plan.partial_stats_elems, nan);
-    std::vector<float> partial_sum(plan.partial_stats_elems, nan);
-
     void* buffers[kParams + 1] = {};
-    buffers[kQueries] = const_cast<void*>(queries);
-    buffers[kKeys] = const_cast<void*>(keys);
-    buffers[kValues] = const_cast<void*>(values);
-    buffers[kValidLens] = const_cast<int*>(valid_lens);
-    // As eval_gpu: an absent option is bound to valid_lens, and the params say it is absent.
-    buffers[kKvStarts] = s.has_kv_starts || paged ? const_cast<int*>(kv_starts) : const_cast<int*>(valid_lens);
-    buffers[kSinks] = s.has_sinks ? static_cast<void*>(const_cast<float*>(sinks)) : const_cast<int*>(valid_lens);
-    buffers[kOut] = out;
-    // Single pass never touches the partials; Metal still wants every argument bound.
-    const bool split = plan.num_splits > 1;
-    buffers[kPartialAcc] = split ? static_cast<void*>(partial_acc.data()) : out;
-    buffers[kPartialMax] = split ? static_cast<void*>(partial_max.data()) : out;
-    buffers[kPartialSum] = split ? static_cast<void*>(partial_sum.data()) : out;
-    buffers[kParams] = &params;
-
-    const uint64_t out_bytes = uint64_t(s.batch) * s.num_q_heads * s.num_rows * s.head_dim * dtype_size(s.dtype);
-    unsigned long long bytes[kParams + 1] = {input_bytes[0], input_bytes[1], input_bytes[2], input_bytes[3],
-                                             input_bytes[4], input_bytes[5], out_bytes};
-    bytes[kPartialAcc] = split ? partial_acc.size() * sizeof(float) : out_bytes;
-    bytes[kPartialMax] = split ? partial_max.size() * sizeof(float) : out_bytes;
-    bytes[kPartialSum] = split ? partial_sum.size() * sizeof(float) : out_bytes;
-    bytes[kParams] = sizeof(params);
-    const std::vector<emu::WatchedBuffer> watched = distinct_buffers(buffers, bytes);
-
-    unsigned grid[3], group[3];
-    copy3(plan.grid, grid);
-    copy3(plan.group, group);
-    const emu::ConstantValue constants[] = {{MBD_FC_ROWS, &plan.rows_per_group, sizeof(int)},
-                                            {MBD_FC_VECTOR_LOADS, &vectors, sizeof(bool)}};
-    emu::watch_buffers(watched.data(), int(watched.size()));
-    std::string problem =
-        emu::dispatch(plan.kernel.c_str(), buffers, kParams + 1, grid, group, emu::Backend(backend), constants, 2);
-    emu::loaded_bytes(last_launch.loaded[0]);
-    if (problem.empty() && split) {
-      copy3(plan.reduce_grid, grid);
-      copy3(plan.reduce_group, group);
-      emu::watch_buffers(watched.data(), int(watched.size()));
-      problem = emu::dispatch(plan.reduce_kernel.c_str(), buffers, kParams + 1, grid, group, emu::Backend(backend));
-      emu::loaded_bytes(last_launch.loaded[1]);
+    bind_inputs(s, buffers, queries, keys, values, valid_lens, kv_starts, sinks, out, &params);
+    if (paged != nullptr) {
+      buffers[kKvStarts] = const_cast<int*>(kv_starts); // the block tables, as eval_gpu binds them
     }
+    unsigned long long bytes[kParams + 1] = {input_bytes[0], input_bytes[1], input_bytes[2],
+                                             input_bytes[3], input_bytes[4], input_bytes[5]};
+    bytes[kParams] = sizeof(params);
+    const std::string problem =
+        run_passes(s, plan, buffers, bytes, kParams + 1, vector_loads(s, plan, st, offsets, layout), backend);
+    return problem.empty() ? 0 : report(problem, error, error_len);
+  } catch (const std::exception& e) {
+    return report(e.what(), error, error_len);
+  }
+}
+
+/**
+ * Emulated quantized decode attention, as mbd_emu_attention with keys and
+ * values the packed uint32 words (strides in words) and, bound at
+ * MBD_QUANT_KEY_SCALES .. MBD_QUANT_VALUE_BIASES, the scales and biases
+ * ({key scales, key biases, value scales, value biases}); quantized_strides:
+ * theirs in that order, 4 each (batch, head, position, group); quant = {bits,
+ * group_size, scales dtype (0 f16, 1 bf16, 2 f32)}; input_bytes: the 6 inputs
+ * of mbd_emu_attention, then the 4 scale and bias arrays.
+ */
+int mbd_emu_quantized_attention(const int shape[11], const long long strides[12],
+                                const long long quantized_strides[16], const int quant[3], const void* queries,
+                                const void* keys, const void* values, const int* valid_lens, const int* kv_starts,
+                                const float* sinks, void* const scales_biases[4],
+                                const unsigned long long input_bytes[10], void* out, float scale, int backend,
+                                char* error, int error_len) {
+  try {
+    std::memset(&last_launch, 0, sizeof(last_launch));
+    const LaunchShape s = to_shape(shape);
+    if (s.batch == 0) {
+      return 0;
+    }
+    const LaunchPlan plan = make_quantized_launch_plan(s, quant[0], quant[1]);
+    const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
+                          strides[6], strides[7], strides[8], strides[9], strides[10], strides[11]};
+    BatchedDecodeParams params = make_params(s, plan, st, scale);
+    QuantizedStrides qs{};
+    for (int side = 0; side < 2; ++side) {
+      for (int axis = 0; axis < 4; ++axis) {
+        qs.scales[side][axis] = quantized_strides[8 * side + axis];
+        qs.biases[side][axis] = quantized_strides[8 * side + 4 + axis];
+      }
+    }
+    QuantizedDecodeParams qparams = make_quantized_params(s, qs, quant[1], KernelDtype(quant[2]));
+    void* buffers[MBD_QUANT_PARAMS + 1] = {};
+    bind_inputs(s, buffers, queries, keys, values, valid_lens, kv_starts, sinks, out, &params);
+    unsigned long long bytes[MBD_QUANT_PARAMS + 1] = {input_bytes[0], input_bytes[1], input_bytes[2],
+                                                      input_bytes[3], input_bytes[4], input_bytes[5]};
+    bytes[kParams] = sizeof(params);
+    for (int i = 0; i < 4; ++i) {
+      buffers[MBD_QUANT_KEY_SCALES + i] = scales_biases[i];
+      bytes[MBD_QUANT_KEY_SCALES + i] = input_bytes[6 + i];
+    }
+    buffers[MBD_QUANT_PARAMS] = &qparams;
+    bytes[MBD_QUANT_PARAMS] = sizeof(qparams);
+    const bool vectors = quantized_vector_loads(s, plan, st, int64_t(reinterpret_cast<std::uintptr_t>(queries)));
+    const std::string problem = run_passes(s, plan, buffers, bytes, MBD_QUANT_PARAMS + 1, vectors, backend);
     return problem.empty() ? 0 : report(problem, error, error_len);
   } catch (const std::exception& e) {
     return report(e.what(), error, error_len);
