@@ -22,8 +22,6 @@ namespace {
   throw std::invalid_argument("[" + op + "] " + what);
 }
 
-} // namespace
-
 std::string shape_str(const mx::array& a) {
   std::ostringstream s;
   s << "(";

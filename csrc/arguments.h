@@ -55,13 +55,6 @@ bool is_supported_dtype(mx::Dtype t);
 // rather than wrapping to 2.
 mx::array positions_as_int32(const mx::array& positions, int T, mx::StreamOrDevice s);
 
-// "(2, 3, 4)" and "float16", for error messages.
-std::string shape_str(const mx::array& a);
-std::string dtype_str(mx::Dtype t);
-
-// float16, bfloat16 or float32: the dtypes the kernels read.
-bool is_supported_dtype(mx::Dtype t);
-
 // The scale to use: the given one or 1/sqrt(D).
 float resolve_scale(std::optional<float> scale, int head_dim);
 

@@ -161,7 +161,9 @@ struct Scratch {
   std::vector<uint16_t> k_hi, k_lo; // [32 keys, Dq]
   std::vector<uint16_t> v_hi, v_lo; // [Dp / 16, 16 pairs, 16 d, 2]
   std::vector<uint16_t> p_hi, p_lo; // [16 rows, 32 keys]
-  alignas(64) float s[kKeys * kRows]; // S^T, then P^T [32 keys, 16 rows]
+  // S^T, then P^T [32 keys, 16 rows]. Read with unaligned loads: a
+  // thread_local of a dlopen'ed module need not get its 64-byte alignment.
+  alignas(64) float s[kKeys * kRows];
 
   void reserve(int groups, int Dq, int Dp) {
     grow(q_hi, static_cast<size_t>(groups) * Dq * kRows);
@@ -357,13 +359,13 @@ inline __m512 softmax(
   __m512 m_new = m;
   for (int j = 0; j < n; ++j) {
     next.request(4);
-    __m512 x = _mm512_mul_ps(_mm512_load_ps(st + j * kRows), sc);
+    __m512 x = _mm512_mul_ps(_mm512_loadu_ps(st + j * kRows), sc);
     if (!whole) {
       const __m512i key = _mm512_set1_epi32(t + j);
       const __mmask16 in = _mm512_cmple_epi32_mask(lo, key) & _mm512_cmplt_epi32_mask(key, hi);
       x = _mm512_mask_blend_ps(in, neg_inf, x);
     }
-    _mm512_store_ps(st + j * kRows, x);
+    _mm512_storeu_ps(st + j * kRows, x);
     // NaN scores do not become the max, like std::max(m, NaN) in the vector path.
     m_new = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, x, _CMP_LT_OQ), m_new, x);
   }
@@ -372,15 +374,15 @@ inline __m512 softmax(
   __m512 sum = _mm512_setzero_ps();
   for (int j = 0; j < n; ++j) {
     next.request(4);
-    const __m512 x = _mm512_load_ps(st + j * kRows);
+    const __m512 x = _mm512_loadu_ps(st + j * kRows);
     // -inf (outside a range) gives weight 0, not exp(-inf - -inf) = NaN.
     const __mmask16 outside = _mm512_cmp_ps_mask(x, neg_inf, _CMP_EQ_OQ);
     const __m512 w = exp16(_mm512_mask_sub_ps(x, static_cast<__mmask16>(~outside), x, m_new));
-    _mm512_store_ps(st + j * kRows, w);
+    _mm512_storeu_ps(st + j * kRows, w);
     sum = _mm512_add_ps(sum, w);
   }
   for (int j = n; j < kKeys; ++j) {
-    _mm512_store_ps(st + j * kRows, _mm512_setzero_ps());
+    _mm512_storeu_ps(st + j * kRows, _mm512_setzero_ps());
   }
   l = _mm512_fmadd_ps(l, alpha, sum);
   m = m_new;

@@ -212,7 +212,7 @@ class BatchedDecoder:
         self._draft: Optional[ServedModel] = None
         if draft_model is not None:
             self._draft = ServedModel(
-                draft_model, attention, kv_step, prefill_step_size, *quantization
+                draft_model, attention, kv_step, prefill_step_size, kv_bits, kv_group_size
             )
             target_vocab, draft_vocab = self._target.vocab_size(), self._draft.vocab_size()
             if target_vocab != draft_vocab:

@@ -96,6 +96,7 @@ def prefill(
     tokens: list[int],
     step_size: int,
     prefix: Optional[list[tuple[mx.array, mx.array]]] = None,
+    *,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
 ) -> list[tuple[Prefilled, Prefilled]]:

@@ -95,7 +95,11 @@ class ServedModel:
         layers_kv = None
         if prompt:
             layers_kv = prefill(
-                self.model, list(prompt), self.prefill_step_size, self.kv_bits, self.kv_group_size
+                self.model,
+                list(prompt),
+                self.prefill_step_size,
+                kv_bits=self.kv_bits,
+                kv_group_size=self.kv_group_size,
             )
         if self.slot_caches is not None:
             if layers_kv is not None:
