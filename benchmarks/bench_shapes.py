@@ -1,8 +1,9 @@
 """What each decode shape costs on the CPU: sliding windows, several query rows per request,
 attention sinks and head dims, against the targets of the issue that added them.
 
-Groups (Llama-3-8B heads, 32 query / 8 KV heads; K/V on huge pages as SlotKVCache keeps them;
-each group's calls and a read-bandwidth probe timed in turns, the median of --rounds rounds):
+Groups (Llama-3-8B heads, 32 query / 8 KV heads; K/V on huge pages as SlotKVCache keeps them,
+rotated through distinct buffers ("layers") of at least 3x the last-level cache; each group's
+calls and the native read-bandwidth probe timed in turns, the median of --rounds rounds):
 
 - window: B=8, 16k keys per request, float16, window 1024 vs none. Target: at least 10x
   faster, and GB/s of the bytes read within 10% of the unwindowed call's.
@@ -22,7 +23,6 @@ checked against reference_attention.
 """
 
 import argparse
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -30,15 +30,19 @@ import numpy as np
 import mlx_batched_decode as mbd
 from mlx_batched_decode import _ext
 
-from common import ReadBandwidth, interleaved_medians, machine, print_table, save
+from common import (
+    ReadBandwidth, describe_machine, interleaved_medians, llc_bytes, machine, print_table, rotation_sets, save,
+)
 
 H_Q, H_KV = 32, 8
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 TOLERANCE = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-4}
 
 
-def kv_buffers(B, T, D, dtype, layers):
-    """`layers` distinct K/V pairs [B, H_kv, T, D] on huge pages; the fraction that got them."""
+def kv_buffers(B, T, D, dtype):
+    """Distinct K/V pairs [B, H_kv, T, D] on huge pages, as many as hold at least 3x the
+    last-level cache, so that no call finds its bytes in cache; the fraction on huge pages."""
+    layers = rotation_sets(2 * B * H_KV * T * D * mx.zeros((), dtype).itemsize)
     kv = [
         (mx.random.normal((B, H_KV, T, D)).astype(dtype), mx.random.normal((B, H_KV, T, D)).astype(dtype))
         for _ in range(layers)
@@ -57,6 +61,7 @@ class Call:
         self.q = mx.random.normal((B, H_Q, L, D)).astype(dtype)
         mx.eval(self.q)
         self.bytes = read_keys * H_KV * D * 2 * self.q.itemsize  # per layer
+        self.rotated = sum(k.nbytes + v.nbytes for k, v in kv)
 
     def outputs(self):
         return [mbd.batched_decode_attention(self.q, k, v, self.lens, **self.options) for k, v in self.kv]
@@ -83,7 +88,8 @@ def timed(calls, probe, dtype_name):
         t = s / len(call.kv)
         gbs = call.bytes / t / 1e9
         rows.append(dict(call=call.name, ms=t * 1e3, gbs=gbs, bw_gbs=bandwidth, frac_bw=gbs / bandwidth,
-                         max_err=call.check(dtype_name)))
+                         max_err=call.check(dtype_name), layers=len(call.kv), bytes_rotated=call.rotated,
+                         llc_bytes=llc_bytes(), rotated_x_llc=call.rotated / llc_bytes()))
     return rows
 
 
@@ -93,7 +99,7 @@ def uniform_lengths(B):
 
 def window_group(probe):
     B, T, D, window = 8, 16384, 128, 1024
-    kv, huge = kv_buffers(B, T, D, mx.float16, layers=2)
+    kv, huge = kv_buffers(B, T, D, mx.float16)
     lens = mx.array([T] * B, dtype=mx.int32)
     calls = [
         Call("no window", kv, lens, 1, mx.float16, B * T),
@@ -115,7 +121,7 @@ def rows_group(probe, dtype_name, isa=None):
             _ext.set_cpu_isa(previous)
     B, D = 8, 128
     lens_np = uniform_lengths(B)
-    kv, huge = kv_buffers(B, int(lens_np.max()), D, DTYPES[dtype_name], layers=4)
+    kv, huge = kv_buffers(B, int(lens_np.max()), D, DTYPES[dtype_name])
     lens = mx.array(lens_np, dtype=mx.int32)
     calls = [Call(f"L={L}", kv, lens, L, DTYPES[dtype_name], int(lens_np.sum())) for L in (1, 2, 4, 8)]
     rows = timed(calls, probe, dtype_name)
@@ -127,7 +133,7 @@ def rows_group(probe, dtype_name, isa=None):
 def sinks_group(probe):
     B, D = 8, 128
     lens_np = uniform_lengths(B)
-    kv, huge = kv_buffers(B, int(lens_np.max()), D, mx.float16, layers=4)
+    kv, huge = kv_buffers(B, int(lens_np.max()), D, mx.float16)
     lens = mx.array(lens_np, dtype=mx.int32)
     sinks = mx.random.normal((H_Q,))
     calls = [
@@ -145,8 +151,7 @@ def head_dim_group(probe):
     lens = mx.array(lens_np, dtype=mx.int32)
     calls, fractions = [], []
     for D in (32, 64, 256, 512, 48, 200):
-        # About the same bytes per timing for every D: more layers for small ones.
-        kv, huge = kv_buffers(B, int(lens_np.max()), D, mx.float16, layers=max(2, 512 // D))
+        kv, huge = kv_buffers(B, int(lens_np.max()), D, mx.float16)
         calls.append(Call(f"D={D}", kv, lens, 1, mx.float16, int(lens_np.sum())))
         fractions.append(huge)
     rows = timed(calls, probe, "float16")
@@ -195,7 +200,7 @@ def main():
     mx.set_default_device(mx.cpu)
     probe = ReadBandwidth()
     info = machine() | {"cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads(), "rounds": args.rounds}
-    print(f"{info['cpu']}, {info['cores']} cores, kernel {info['cpu_isa']}, {args.rounds} rounds")
+    print(f"{describe_machine(info)}; {args.rounds} rounds")
 
     measured = {name: [] for name in args.groups}
     huge_pages = {}
@@ -211,6 +216,7 @@ def main():
         ("call", "call", "{}"), ("ms", "ms", "{:.3f}"), ("gbs", "GB/s", "{:.2f}"), ("bw_gbs", "bw GB/s", "{:.1f}"),
         ("frac_bw", "of bw", "{:.0%}"), ("speedup", "speedup", "{:.1f}x"), ("gbs_vs_full", "GB/s vs full", "{:.2f}"),
         ("vs_first", "time vs first", "{:.2f}"), ("gbs_vs", "GB/s vs D=64/256", "{:.2f}"), ("max_err", "max err", "{:.1e}"),
+        ("rotated_x_llc", "x LLC", "{:.1f}"),
     ]
     for name, rounds in measured.items():
         rows = median_of_rounds(rounds)

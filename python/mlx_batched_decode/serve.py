@@ -7,13 +7,14 @@
 Takes exactly the arguments of ``mlx_lm.server`` (``--help`` lists them) and runs its ``main()``
 after ``mlx_batched_decode.mlx_lm.enable()``: the decode steps of the server's batched path
 (``BatchGenerator``, up to ``--decode-concurrency`` requests at once) attend through
-``batched_decode_attention``; everything else is mlx-lm's server unchanged. When the server stops
-cleanly (Ctrl-C / SIGINT), it prints how many attention calls the op served and how many stayed
-on mlx-lm's path (``mlx_batched_decode.mlx_lm.stats()``).
+``batched_decode_attention``; everything else is mlx-lm's server unchanged. When it is stopped
+(Ctrl-C / SIGINT), it prints how many attention calls the op served and how many stayed on
+mlx-lm's path (``mlx_batched_decode.mlx_lm.stats()``), then shuts down as mlx-lm's server does.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from .mlx_lm import PluginStats
@@ -38,16 +39,25 @@ def main(argv: list[str] | None = None) -> None:
     from . import mlx_lm as plugin
 
     sys.argv = [PROG, *(sys.argv[1:] if argv is None else argv)]
+
+    def report_and_interrupt(signum, frame):
+        # Reported when the signal arrives: mlx-lm's shutdown then joins its generation thread
+        # and the interpreter its request threads, which may outlast whoever sent the signal.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print(report(plugin.stats()), file=sys.stderr, flush=True)
+        signal.default_int_handler(signum, frame)
+
     plugin.enable()
     print(
         "mlx_batched_decode: mlx_lm.server's batched decode attends with batched_decode_attention",
         file=sys.stderr,
         flush=True,
     )
+    previous = signal.signal(signal.SIGINT, report_and_interrupt)
     try:
         server.main()
-        print(report(plugin.stats()), file=sys.stderr, flush=True)
     finally:
+        signal.signal(signal.SIGINT, previous)
         plugin.disable()
 
 
