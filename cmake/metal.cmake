@@ -6,9 +6,8 @@
 # the _ext target and MBD_METAL_SOURCE exist.
 set(MBD_CSRC ${CMAKE_CURRENT_LIST_DIR}/../csrc)
 
-target_sources(_ext PRIVATE ${MBD_CSRC}/metal/batched_decode_attention_gpu.cpp
-                            ${MBD_CSRC}/metal/paged_decode_attention_gpu.cpp
-                            ${MBD_CSRC}/metal/quantized_batched_decode_attention_gpu.cpp)
+target_sources(_ext PRIVATE ${MBD_CSRC}/metal/decode_launch.cpp
+                            ${MBD_CSRC}/metal/eval_gpu.cpp)
 target_compile_definitions(_ext PRIVATE MLX_BATCHED_DECODE_METAL)
 
 include(${CMAKE_CURRENT_LIST_DIR}/metal_compiler.cmake)

@@ -4,7 +4,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "batched_decode_attention.h"
+#include "head_dims.h"
 #include "mlx/ops.h"
 #include "mlx/utils.h"
 
@@ -12,8 +12,20 @@ namespace mlx_batched_decode {
 
 namespace {
 
+constexpr const char* kOp = "batched_decode_attention";
+
 [[noreturn]] void fail(const std::string& what) {
-  fail_argument("batched_decode_attention", what);
+  fail_argument(kOp, what);
+}
+
+// Per-request positions (valid_lens, kv_starts): integer [B].
+void check_positions(const std::string& op, const mx::array& a, const std::string& name, int B) {
+  if (a.ndim() != 1 || a.shape(0) != B) {
+    fail_argument(op, name + " must have shape [B] = (" + std::to_string(B) + ",), got " + shape_str(a) + ".");
+  }
+  if (!mx::issubdtype(a.dtype(), mx::integer)) {
+    fail_argument(op, name + " must have an integer dtype, got " + dtype_str(a.dtype()) + ".");
+  }
 }
 
 } // namespace
@@ -25,7 +37,7 @@ namespace {
 std::string shape_str(const mx::array& a) {
   std::ostringstream s;
   s << "(";
-  for (int i = 0; i < a.ndim(); ++i) {
+  for (size_t i = 0; i < a.ndim(); ++i) {
     s << (i ? ", " : "") << a.shape(i);
   }
   s << (a.ndim() == 1 ? ",)" : ")");
@@ -42,100 +54,78 @@ bool is_supported_dtype(mx::Dtype t) {
   return t == mx::float16 || t == mx::bfloat16 || t == mx::float32;
 }
 
-namespace {
-
-// Per-request positions (valid_lens, kv_starts): integer [B].
-void check_positions(const std::string& op, const mx::array& a, const std::string& name, int B) {
-  if (a.ndim() != 1 || a.shape(0) != B) {
-    fail_argument(op, name + " must have shape [B] = (" + std::to_string(B) + ",), got " + shape_str(a) + ".");
+DecodeShape check_queries(const std::string& op, const mx::array& queries) {
+  if (queries.ndim() != 4) {
+    fail_argument(op, "queries must have shape [B, H_q, L, D], got " + shape_str(queries) + ".");
   }
-  if (!mx::issubdtype(a.dtype(), mx::integer)) {
-    fail_argument(op, name + " must have an integer dtype, got " + dtype_str(a.dtype()) + ".");
+  if (!is_supported_dtype(queries.dtype())) {
+    fail_argument(op, "queries must be float16, bfloat16 or float32, got " + dtype_str(queries.dtype()) + ".");
+  }
+  if (queries.shape(2) < 1) {
+    fail_argument(op, "queries must have at least one row per request (L >= 1), got " + shape_str(queries) + ".");
+  }
+  return {queries.shape(0), queries.shape(1), 0, 0, queries.shape(2), 0, queries.shape(3)};
+}
+
+void check_heads(const std::string& op, DecodeShape& d) {
+  if (d.H_q < 1 || d.H_kv < 1 || d.H_q % d.H_kv != 0) {
+    fail_argument(op, "the number of query heads (" + std::to_string(d.H_q) +
+                  ") must be a positive multiple of the number of key/value heads (" + std::to_string(d.H_kv) +
+                  ").");
+  }
+  d.G = d.H_q / d.H_kv;
+  if (d.D < 1 || d.D > kMaxHeadDim) {
+    fail_argument(op, "head dim " + std::to_string(d.D) + " is not supported; head dims 1 to " +
+                  std::to_string(kMaxHeadDim) + " are.");
   }
 }
 
-} // namespace
-
-DecodeShape check_arguments(
-    const mx::array& queries,
-    const mx::array& keys,
-    const mx::array& values,
-    const mx::array& valid_lens,
-    std::optional<float> scale,
-    const std::optional<mx::array>& kv_starts,
-    std::optional<int> window,
-    const std::optional<mx::array>& sinks) {
-  if (queries.ndim() != 4) {
-    fail("queries must have shape [B, H_q, L, D], got " + shape_str(queries) + ".");
+void check_options(const std::string& op, const DecodeShape& d, const mx::array& valid_lens, const DecodeOptions& o) {
+  check_positions(op, valid_lens, "valid_lens", d.B);
+  if (o.kv_starts) {
+    check_positions(op, *o.kv_starts, "kv_starts", d.B);
   }
+  if (o.window && *o.window < 1) {
+    fail_argument(op, "window must be >= 1, got " + std::to_string(*o.window) + ".");
+  }
+  if (o.sinks) {
+    if (o.sinks->ndim() != 1 || o.sinks->shape(0) != d.H_q) {
+      fail_argument(op, "sinks must have shape [H_q] = (" + std::to_string(d.H_q) + ",), got " +
+                    shape_str(*o.sinks) + ".");
+    }
+    if (!mx::issubdtype(o.sinks->dtype(), mx::floating)) {
+      fail_argument(op, "sinks must have a floating dtype, got " + dtype_str(o.sinks->dtype()) + ".");
+    }
+  }
+  if (o.scale && !std::isfinite(*o.scale)) {
+    fail_argument(op, "scale must be finite, got " + std::to_string(*o.scale) + ".");
+  }
+}
+
+DecodeShape check_arguments(const mx::array& queries, const mx::array& keys, const mx::array& values,
+                            const mx::array& valid_lens, const DecodeOptions& options) {
+  DecodeShape d = check_queries(kOp, queries);
   if (keys.ndim() != 4) {
     fail("keys must have shape [B, H_kv, T, D], got " + shape_str(keys) + ".");
   }
   if (values.shape() != keys.shape()) {
-    fail("values must have the shape of keys " + shape_str(keys) + ", got " +
-         shape_str(values) + ".");
-  }
-  DecodeShape d{queries.shape(0), queries.shape(1), keys.shape(1), 0,
-                queries.shape(2), keys.shape(2),    queries.shape(3)};
-  if (d.L < 1) {
-    fail("queries must have at least one row per request (L >= 1), got " + shape_str(queries) + ".");
+    fail("values must have the shape of keys " + shape_str(keys) + ", got " + shape_str(values) + ".");
   }
   if (keys.shape(0) != d.B) {
-    fail("keys have batch size " + std::to_string(keys.shape(0)) + " but queries have " +
-         std::to_string(d.B) + ".");
+    fail("keys have batch size " + std::to_string(keys.shape(0)) + " but queries have " + std::to_string(d.B) + ".");
   }
   if (keys.shape(3) != d.D) {
-    fail("keys have head dim " + std::to_string(keys.shape(3)) + " but queries have " +
-         std::to_string(d.D) + ".");
+    fail("keys have head dim " + std::to_string(keys.shape(3)) + " but queries have " + std::to_string(d.D) + ".");
   }
-  if (d.H_q < 1 || d.H_kv < 1 || d.H_q % d.H_kv != 0) {
-    fail("the number of query heads (" + std::to_string(d.H_q) +
-         ") must be a positive multiple of the number of key/value heads (" +
-         std::to_string(d.H_kv) + ").");
-  }
-  d.G = d.H_q / d.H_kv;
-  if (d.D < 1 || d.D > kMaxHeadDim) {
-    fail("head dim " + std::to_string(d.D) + " is not supported; head dims 1 to " +
-         std::to_string(kMaxHeadDim) + " are.");
-  }
-  if (!is_supported_dtype(queries.dtype())) {
-    fail("queries must be float16, bfloat16 or float32, got " + dtype_str(queries.dtype()) + ".");
-  }
+  d.H_kv = keys.shape(1);
+  d.T = keys.shape(2);
+  check_heads(kOp, d);
   if (keys.dtype() != queries.dtype() || values.dtype() != queries.dtype()) {
-    fail("queries, keys and values must share one dtype, got " + dtype_str(queries.dtype()) +
-         ", " + dtype_str(keys.dtype()) + " and " + dtype_str(values.dtype()) + ".");
+    fail("queries, keys and values must share one dtype, got " + dtype_str(queries.dtype()) + ", " +
+         dtype_str(keys.dtype()) + " and " + dtype_str(values.dtype()) + ".");
   }
-  check_options("batched_decode_attention", d, valid_lens, scale, kv_starts, window, sinks);
+  check_options(kOp, d, valid_lens, options);
   return d;
-}
-
-void check_options(
-    const std::string& op,
-    const DecodeShape& d,
-    const mx::array& valid_lens,
-    std::optional<float> scale,
-    const std::optional<mx::array>& kv_starts,
-    std::optional<int> window,
-    const std::optional<mx::array>& sinks) {
-  check_positions(op, valid_lens, "valid_lens", d.B);
-  if (kv_starts) {
-    check_positions(op, *kv_starts, "kv_starts", d.B);
-  }
-  if (window && *window < 1) {
-    fail_argument(op, "window must be >= 1, got " + std::to_string(*window) + ".");
-  }
-  if (sinks) {
-    if (sinks->ndim() != 1 || sinks->shape(0) != d.H_q) {
-      fail_argument(op, "sinks must have shape [H_q] = (" + std::to_string(d.H_q) + ",), got " +
-                    shape_str(*sinks) + ".");
-    }
-    if (!mx::issubdtype(sinks->dtype(), mx::floating)) {
-      fail_argument(op, "sinks must have a floating dtype, got " + dtype_str(sinks->dtype()) + ".");
-    }
-  }
-  if (scale && !std::isfinite(*scale)) {
-    fail_argument(op, "scale must be finite, got " + std::to_string(*scale) + ".");
-  }
 }
 
 mx::array positions_as_int32(const mx::array& positions, int T, mx::StreamOrDevice s) {
@@ -146,8 +136,7 @@ mx::array positions_as_int32(const mx::array& positions, int T, mx::StreamOrDevi
   // int8/16 and uint8/16 convert exactly; wider ones may not, so clamp first,
   // with bounds of their own dtype (T <= INT32_MAX fits in all of them).
   if (t.size() >= 4) {
-    return mx::astype(
-        mx::clip(positions, mx::array(0, t), mx::array(T, t), s), mx::int32, s);
+    return mx::astype(mx::clip(positions, mx::array(0, t), mx::array(T, t), s), mx::int32, s);
   }
   return mx::astype(positions, mx::int32, s);
 }

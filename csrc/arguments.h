@@ -1,46 +1,37 @@
-// Argument checks shared by the op and its reference.
+// Argument checks shared by the ops of the family and their references.
+//
+// Dimension legend: B requests, H_q query heads, H_kv key/value heads,
+// G = H_q / H_kv, L query rows per request, T padded length, D head dim.
 #pragma once
 
 #include <optional>
 #include <string>
 
+#include "decode_options.h"
 #include "mlx/array.h"
 #include "mlx/utils.h"
 
 namespace mlx_batched_decode {
 
-namespace mx = mlx::core;
-
-// Dimension legend: B requests, H_q query heads, H_kv key/value heads,
-// G = H_q / H_kv, L query rows per request, T padded length, D head dim.
 struct DecodeShape {
   int B, H_q, H_kv, G, L, T, D;
 };
 
-// Checks ranks, shapes, head counts, head dim, dtypes and the optional
-// arguments of a call and returns its dimensions; throws std::invalid_argument
-// whose message starts with "[batched_decode_attention]" and names the
-// offending argument.
-DecodeShape check_arguments(
-    const mx::array& queries,
-    const mx::array& keys,
-    const mx::array& values,
-    const mx::array& valid_lens,
-    std::optional<float> scale,
-    const std::optional<mx::array>& kv_starts,
-    std::optional<int> window,
-    const std::optional<mx::array>& sinks);
+// Checks ranks, shapes, head counts, head dim, dtypes and the options of a
+// dense call and returns its dimensions; throws std::invalid_argument whose
+// message starts with "[batched_decode_attention]" and names the offending
+// argument.
+DecodeShape check_arguments(const mx::array& queries, const mx::array& keys, const mx::array& values,
+                            const mx::array& valid_lens, const DecodeOptions& options);
 
-// The checks of the per-request positions, window, sinks and scale, for an
-// op named `op` (the prefix of its messages) of dimensions d.
-void check_options(
-    const std::string& op,
-    const DecodeShape& d,
-    const mx::array& valid_lens,
-    std::optional<float> scale,
-    const std::optional<mx::array>& kv_starts,
-    std::optional<int> window,
-    const std::optional<mx::array>& sinks);
+// The parts of those checks every op makes, for an op named `op` (the prefix
+// of its messages). check_queries: queries [B, H_q, L >= 1, D] of a supported
+// dtype; its B, H_q, L and D. check_heads, once H_kv is set: H_q a positive
+// multiple of H_kv (sets G) and D in [1, kMaxHeadDim]. check_options: the
+// per-request positions, window, sinks and scale.
+DecodeShape check_queries(const std::string& op, const mx::array& queries);
+void check_heads(const std::string& op, DecodeShape& d);
+void check_options(const std::string& op, const DecodeShape& d, const mx::array& valid_lens, const DecodeOptions& options);
 
 // Throws std::invalid_argument("[op] what").
 [[noreturn]] void fail_argument(const std::string& op, const std::string& what);

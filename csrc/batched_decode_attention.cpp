@@ -1,114 +1,20 @@
-// The op function (checks, graph construction) and the primitive's
-// device-independent methods. eval_cpu lives in cpu/, eval_gpu in metal/.
+// The dense op function (checks, graph construction) and its primitive's fallback.
 #include "batched_decode_attention.h"
 
-#include <stdexcept>
-
 #include "arguments.h"
-#include "mlx/ops.h"
-#include "mlx/transforms.h"
+#include "decode_primitive.h"
 
 namespace mlx_batched_decode {
 
-mx::array batched_decode_attention(
-    const mx::array& queries,
-    const mx::array& keys,
-    const mx::array& values,
-    const mx::array& valid_lens,
-    std::optional<float> scale,
-    const std::optional<mx::array>& kv_starts,
-    std::optional<int> window,
-    const std::optional<mx::array>& sinks,
-    mx::StreamOrDevice s) {
-  const DecodeShape d = check_arguments(queries, keys, values, valid_lens, scale, kv_starts, window, sinks);
-  auto stream = mx::to_stream(s);
-#if !defined(MLX_BATCHED_DECODE_METAL)
-  if (stream.device == mx::Device::gpu) {
-    throw std::invalid_argument(
-        "[batched_decode_attention] this build has no Metal kernel; run it on a CPU stream.");
-  }
-#endif
-  // The kernels read int32 positions and float32 sinks, and clamp positions to [0, T] themselves.
-  std::vector<mx::array> inputs = {queries, keys, values, positions_as_int32(valid_lens, d.T, stream)};
-  if (kv_starts) {
-    inputs.push_back(positions_as_int32(*kv_starts, d.T, stream));
-  }
-  if (sinks) {
-    inputs.push_back(mx::astype(*sinks, mx::float32, stream));
-  }
-  return mx::array(
-      queries.shape(),
-      queries.dtype(),
-      std::make_shared<BatchedDecodeAttention>(
-          stream, resolve_scale(scale, d.D), window.value_or(0), kv_starts.has_value(), sinks.has_value()),
-      std::move(inputs));
+mx::array batched_decode_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
+                                   const mx::array& valid_lens, const DecodeOptions& options, mx::StreamOrDevice s) {
+  const DecodeShape d = check_arguments(queries, keys, values, valid_lens, options);
+  return decode_output<BatchedDecodeAttention>(
+      decode_call("batched_decode_attention", {queries, keys, values}, valid_lens, options, d.T, d.D, s));
 }
 
-std::vector<mx::array> BatchedDecodeAttention::fallback(
-    const std::vector<mx::array>& inputs) {
-  int next = 4;
-  std::optional<mx::array> kv_starts;
-  std::optional<mx::array> sinks;
-  if (has_kv_starts_) {
-    kv_starts = inputs[next++];
-  }
-  if (has_sinks_) {
-    sinks = inputs[next++];
-  }
-  return {reference_attention(
-      inputs[0], inputs[1], inputs[2], inputs[3], scale_, kv_starts,
-      window_ > 0 ? std::optional<int>(window_) : std::nullopt, sinks, stream())};
+mx::array BatchedDecodeAttention::fallback(const std::vector<mx::array>& inputs) {
+  return reference_attention(inputs[0], inputs[1], inputs[2], valid_lens(inputs), options(inputs), stream());
 }
-
-std::vector<mx::array> BatchedDecodeAttention::vjp(
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& cotangents,
-    const std::vector<int>& argnums,
-    const std::vector<mx::array>&) {
-  auto f = [this](const std::vector<mx::array>& in) { return fallback(in); };
-  auto [_, grads] = mx::vjp(f, primals, cotangents);
-  std::vector<mx::array> out;
-  for (int i : argnums) {
-    out.push_back(grads[i]);
-  }
-  return out;
-}
-
-std::vector<mx::array> BatchedDecodeAttention::jvp(
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& tangents,
-    const std::vector<int>& argnums) {
-  std::vector<mx::array> all_tangents;
-  for (int i = 0, j = 0; i < static_cast<int>(primals.size()); ++i) {
-    bool given = j < static_cast<int>(argnums.size()) && argnums[j] == i;
-    all_tangents.push_back(given ? tangents[j++] : mx::zeros_like(primals[i]));
-  }
-  auto f = [this](const std::vector<mx::array>& in) { return fallback(in); };
-  return mx::jvp(f, primals, all_tangents).second;
-}
-
-std::pair<std::vector<mx::array>, std::vector<int>> BatchedDecodeAttention::vmap(
-    const std::vector<mx::array>& inputs,
-    const std::vector<int>& axes) {
-  auto f = [this](const std::vector<mx::array>& in) { return fallback(in); };
-  return {mx::vmap(f, axes)(inputs), {0}};
-}
-
-bool BatchedDecodeAttention::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const BatchedDecodeAttention&>(other);
-  return state() == o.state();
-}
-
-std::vector<mx::Shape> BatchedDecodeAttention::output_shapes(
-    const std::vector<mx::array>& inputs) {
-  return {inputs[0].shape()};
-}
-
-#if !defined(MLX_BATCHED_DECODE_METAL)
-void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  // Unreachable through the op function, which rejects GPU streams in this build.
-  throw std::runtime_error("[batched_decode_attention] this build has no Metal kernel.");
-}
-#endif
 
 } // namespace mlx_batched_decode

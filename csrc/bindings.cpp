@@ -19,6 +19,19 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 namespace mbd = mlx_batched_decode;
+namespace mx = mlx::core;
+
+namespace {
+
+using OptionalArray = std::optional<mx::array>;
+
+// The ops' keyword options, as the C++ functions take them.
+mbd::DecodeOptions options(std::optional<float> scale, OptionalArray kv_starts, std::optional<int> window,
+                           OptionalArray sinks) {
+  return {scale, std::move(kv_starts), window, std::move(sinks)};
+}
+
+} // namespace
 
 NB_MODULE(_ext, m) {
   // mlx.core registers the array and stream types this module passes around.
@@ -27,7 +40,10 @@ NB_MODULE(_ext, m) {
 
   m.def(
       "batched_decode_attention",
-      &mbd::batched_decode_attention,
+      [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& lens, std::optional<float> scale,
+         OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks, mx::StreamOrDevice s) {
+        return mbd::batched_decode_attention(q, k, v, lens, options(scale, kv_starts, window, sinks), s);
+      },
       "queries"_a,
       "keys"_a,
       "values"_a,
@@ -81,7 +97,12 @@ Raises:
 
   m.def(
       "quantized_batched_decode_attention",
-      &mbd::quantized_batched_decode_attention,
+      [](const mx::array& q, const std::vector<mx::array>& k, const std::vector<mx::array>& v, const mx::array& lens,
+         int group_size, int bits, std::optional<float> scale, OptionalArray kv_starts, std::optional<int> window,
+         OptionalArray sinks, mx::StreamOrDevice s) {
+        return mbd::quantized_batched_decode_attention(
+            q, k, v, lens, group_size, bits, options(scale, kv_starts, window, sinks), s);
+      },
       "queries"_a,
       "keys"_a,
       "values"_a,
@@ -145,7 +166,10 @@ Raises:
 
   m.def(
       "reference_attention",
-      &mbd::reference_attention,
+      [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& lens, std::optional<float> scale,
+         OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks, mx::StreamOrDevice s) {
+        return mbd::reference_attention(q, k, v, lens, options(scale, kv_starts, window, sinks), s);
+      },
       "queries"_a,
       "keys"_a,
       "values"_a,
@@ -168,7 +192,10 @@ differentiable, and the fallback the primitive uses for vjp, jvp and vmap.)");
 
   m.def(
       "paged_decode_attention",
-      &mbd::paged_decode_attention,
+      [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& tables, const mx::array& lens,
+         std::optional<float> scale, std::optional<int> window, OptionalArray sinks, mx::StreamOrDevice s) {
+        return mbd::paged_decode_attention(q, k, v, tables, lens, options(scale, std::nullopt, window, sinks), s);
+      },
       "queries"_a,
       "key_pages"_a,
       "value_pages"_a,
@@ -223,7 +250,10 @@ Raises:
 
   m.def(
       "reference_paged_attention",
-      &mbd::reference_paged_attention,
+      [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& tables, const mx::array& lens,
+         std::optional<float> scale, std::optional<int> window, OptionalArray sinks, mx::StreamOrDevice s) {
+        return mbd::reference_paged_attention(q, k, v, tables, lens, options(scale, std::nullopt, window, sinks), s);
+      },
       "queries"_a,
       "key_pages"_a,
       "value_pages"_a,

@@ -18,39 +18,23 @@ mx::array clamped_positions(const mx::array& positions, int T, mx::StreamOrDevic
 
 } // namespace
 
-mx::array reference_attention(
-    const mx::array& queries,
-    const mx::array& keys,
-    const mx::array& values,
-    const mx::array& valid_lens,
-    std::optional<float> scale,
-    const std::optional<mx::array>& kv_starts,
-    std::optional<int> window,
-    const std::optional<mx::array>& sinks,
-    mx::StreamOrDevice s) {
-  check_arguments(queries, keys, values, valid_lens, scale, kv_starts, window, sinks);
-  return masked_reference_attention(queries, keys, values, valid_lens, scale, kv_starts, window, sinks, std::nullopt, s);
+mx::array reference_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
+                              const mx::array& valid_lens, const DecodeOptions& options, mx::StreamOrDevice s) {
+  check_arguments(queries, keys, values, valid_lens, options);
+  return masked_reference_attention(queries, keys, values, valid_lens, options, std::nullopt, s);
 }
 
-mx::array masked_reference_attention(
-    const mx::array& queries,
-    const mx::array& keys,
-    const mx::array& values,
-    const mx::array& valid_lens,
-    std::optional<float> scale,
-    const std::optional<mx::array>& kv_starts,
-    std::optional<int> window,
-    const std::optional<mx::array>& sinks,
-    const std::optional<mx::array>& key_mask,
-    mx::StreamOrDevice s) {
+mx::array masked_reference_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
+                                     const mx::array& valid_lens, const DecodeOptions& options,
+                                     const std::optional<mx::array>& key_mask, mx::StreamOrDevice s) {
+  const auto& [scale, kv_starts, window, sinks] = options;
   const DecodeShape d{queries.shape(0), queries.shape(1), keys.shape(1), queries.shape(1) / keys.shape(1),
                       queries.shape(2), keys.shape(2),    queries.shape(3)};
   const float sc = resolve_scale(scale, d.D);
 
   // [B, H_kv, G, L, D]: the G query heads of a KV head attend to the same keys.
-  auto q = mx::reshape(
-      mx::multiply(mx::astype(queries, mx::float32, s), mx::array(sc), s),
-      {d.B, d.H_kv, d.G, d.L, d.D}, s);
+  auto q = mx::reshape(mx::multiply(mx::astype(queries, mx::float32, s), mx::array(sc), s),
+                       {d.B, d.H_kv, d.G, d.L, d.D}, s);
   auto k = mx::reshape(mx::astype(keys, mx::float32, s), {d.B, d.H_kv, 1, d.T, d.D}, s);
   auto v = mx::reshape(mx::astype(values, mx::float32, s), {d.B, d.H_kv, 1, 1, d.T, d.D}, s);
 
@@ -80,9 +64,8 @@ mx::array masked_reference_attention(
   mx::array probs = scores;
   if (sinks) {
     // The sink is one more logit in each row's softmax, with no value.
-    auto sink = mx::broadcast_to(
-        mx::reshape(mx::astype(*sinks, mx::float32, s), {1, d.H_kv, d.G, 1, 1}, s),
-        {d.B, d.H_kv, d.G, d.L, 1}, s);
+    auto sink = mx::broadcast_to(mx::reshape(mx::astype(*sinks, mx::float32, s), {1, d.H_kv, d.G, 1, 1}, s),
+                                 {d.B, d.H_kv, d.G, d.L, 1}, s);
     probs = mx::softmax(mx::concatenate({scores, sink}, 4, s), -1, /* precise */ true, s);
     probs = mx::slice(probs, {0, 0, 0, 0, 0}, {d.B, d.H_kv, d.G, d.L, d.T}, s);
   } else {

@@ -4,26 +4,17 @@
 
 #include <optional>
 
+#include "decode_options.h"
 #include "mlx/array.h"
 #include "mlx/utils.h"
 
 namespace mlx_batched_decode {
 
-namespace mx = mlx::core;
-
 // reference_attention on checked arguments, where key_mask (bool [B, T]), if
 // given, also removes keys from every row's range (a paged cache's positions
 // whose block lies outside the pool).
-mx::array masked_reference_attention(
-    const mx::array& queries,
-    const mx::array& keys,
-    const mx::array& values,
-    const mx::array& valid_lens,
-    std::optional<float> scale,
-    const std::optional<mx::array>& kv_starts,
-    std::optional<int> window,
-    const std::optional<mx::array>& sinks,
-    const std::optional<mx::array>& key_mask,
-    mx::StreamOrDevice s);
+mx::array masked_reference_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
+                                     const mx::array& valid_lens, const DecodeOptions& options,
+                                     const std::optional<mx::array>& key_mask, mx::StreamOrDevice s);
 
 } // namespace mlx_batched_decode

@@ -125,13 +125,15 @@ def test_too_small_thread_limit_raises(lib):
 
 def test_launcher_uses_the_plan():
     """The Metal host code dispatches with the same plan and buffer indices."""
-    source = (REPO / "csrc" / "metal" / "batched_decode_attention_gpu.cpp").read_text()
+    source = (REPO / "csrc" / "metal" / "decode_launch.cpp").read_text()
+    ops = (REPO / "csrc" / "metal" / "eval_gpu.cpp").read_text()
     assert '#include "launch_plan.h"' in source
-    assert source.count("make_launch_plan(shape)") == 2 and "make_params(" in source
+    assert source.count("plan_for(shape, quantized)") == 2 and "make_launch_plan(shape)" in source
+    assert "make_params(" in source
     assert "{&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS}" in source
     assert "{&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}" in source
     assert "vector_loads(shape, provisional, strides, offsets, paged)" in source
-    assert "effective_window(window_, T)" in source
+    assert "effective_window(at.window, rows.T)" in ops
     for index in ("kQueries", "kKeys", "kValues", "kValidLens", "kKvStarts", "kSinks", "kOut", "kPartialAcc",
                   "kPartialMax", "kPartialSum", "kParams"):
         assert f", {index})" in source

@@ -42,8 +42,9 @@ def test_this_process():
 def test_eval_gpu_takes_the_choice():
     """The launcher loads the metallib only on the choice's word, and compiles the
     embedded source through MLX's run-time compiler otherwise."""
-    source = (REPO / "csrc" / "metal" / "batched_decode_attention_gpu.cpp").read_text()
+    source = (REPO / "csrc" / "metal" / "decode_launch.cpp").read_text()
     assert "switch (metal_backend())" in source
     assert "d.get_library(kMetallibName, module_dir())" in source
-    assert "d.get_library(name, mx::CompileOptions{}, [&] { return library_source(metal_source(), dtype, head_dim); })" \
+    assert "d.get_library(name, mx::CompileOptions{}, [&] { return kernel_source(dtype, head_dim, bits); })" \
         in source
+    assert ": library_source(metal_source(), dtype, head_dim)" in source

@@ -1,5 +1,6 @@
-"""The Metal launcher (csrc/metal/batched_decode_attention_gpu.cpp) cannot be
-built on Linux; this syntax-checks it, and the Metal side of csrc/metal_backend.cpp,
+"""The Metal launchers (csrc/metal/decode_launch.cpp, the launch tail, and
+csrc/metal/eval_gpu.cpp, the ops' eval_gpu) cannot be built on Linux; this
+syntax-checks them, and the Metal side of csrc/metal_backend.cpp,
 with g++ against MLX's real host headers (device.h, utils.h, array.h: the API
 they must match) and the project's primitive, with metal-cpp reduced to
 declarations."""
@@ -15,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 MLX_INCLUDE = Path(mx.__file__).resolve().parent / "include"
 STUB = REPO / "tests" / "metal_emu" / "metal_cpp_stub"
-LAUNCHER = REPO / "csrc" / "metal" / "batched_decode_attention_gpu.cpp"
+LAUNCHER = REPO / "csrc" / "metal" / "decode_launch.cpp"
 
 
 def syntax_check(source: Path) -> subprocess.CompletedProcess:
@@ -33,8 +34,7 @@ needs_headers = pytest.mark.skipif(not (MLX_INCLUDE / "mlx" / "backend" / "metal
 @needs_headers
 @pytest.mark.parametrize(
     "source",
-    [LAUNCHER, LAUNCHER.parent / "paged_decode_attention_gpu.cpp",
-     LAUNCHER.parent / "quantized_batched_decode_attention_gpu.cpp", REPO / "csrc" / "metal_backend.cpp"],
+    [LAUNCHER, LAUNCHER.parent / "eval_gpu.cpp", REPO / "csrc" / "metal_backend.cpp"],
     ids=lambda p: p.name)
 def test_metal_build_matches_mlx_host_api(source):
     """The launcher, and the backend choice as an Apple build compiles it."""
@@ -47,7 +47,7 @@ def test_metal_build_matches_mlx_host_api(source):
     "original,broken,diagnostic",
     [("encoder.add_temporary(", "encoder.add_temporaries_of(", "add_temporaries_of"),
      # The run-time compile: get_library(name, CompileOptions, builder) of mlx 0.32.x, the builder giving a string.
-     ("{ return library_source(metal_source(), dtype, head_dim); }", "{ return 0; }", "get_library"),
+     ("{ return kernel_source(dtype, head_dim, bits); }", "{ return 0; }", "get_library"),
      ("{&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}",
       "{vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}", "MTLFCList")])
 def test_the_check_bites(tmp_path, original, broken, diagnostic):

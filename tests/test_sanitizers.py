@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from mlx_batched_decode import _ext
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "sanitize"
 KERNEL_TESTS = [
@@ -49,9 +51,11 @@ def sanitized_package():
     for tool in ("cmake", "ninja", "g++"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is needed to build the sanitizer extension (pip install '.[test]')")
+    # Only the kernel variants this CPU runs: the others' instrumented code would never execute here.
     configure = [
         "cmake", "-S", str(ROOT), "-B", str(BUILD), "-G", "Ninja",
         "-DMBD_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+        f"-DMBD_CPU_VARIANTS={';'.join(_ext.cpu_isas())}",
         f"-DPython_EXECUTABLE={sys.executable}",
     ]
     for cmd in (configure, ["cmake", "--build", str(BUILD), "--target", "_ext"]):
@@ -81,9 +85,10 @@ def test_kernel_tests_under_sanitizers(sanitized_package):
         "import sys; sys.path[:0] = %r\n"
         "import mlx_batched_decode as m\n"
         "assert m._ext.__file__.startswith(%r), m._ext.__file__\n"
+        "assert m._ext.cpu_isas() == %r, m._ext.cpu_isas()\n"
         "import pytest\n"
         "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *%r]))\n"
-    ) % (paths, str(sanitized_package), KERNEL_TESTS)
+    ) % (paths, str(sanitized_package), _ext.cpu_isas(), KERNEL_TESTS)
     env = dict(
         os.environ,
         LD_PRELOAD=f"{runtime('libasan.so')} {runtime('libstdc++.so')}",

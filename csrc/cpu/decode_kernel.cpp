@@ -6,7 +6,9 @@
 #include <cstdlib>
 #include <limits>
 #include <numeric>
+#include <iterator>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu/amx_tiles.h"
@@ -17,7 +19,6 @@
 #include "cpu/quantized_tiles.h"
 #include "cpu/row_source.h"
 #include "cpu/tiles.h"
-#include "cpu/tiles16.h"
 #include "cpu/vector_math.h"
 
 namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
@@ -31,7 +32,7 @@ static_assert(kBlock == 32, "a block's keys are the bits of one uint32_t mask");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Keys scored with the AVX512_BF16 dot product: bfloat16 rows in a variant
-// compiled for it but not for AVX512-FP16 (kWide). Their queries stay
+// compiled for it but not for AVX512-FP16 (VectorLanes). Their queries stay
 // unscaled in bfloat16 (q_raw), exact, and the scale is applied to the scores.
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && !defined(__AVX512FP16__)
 template <typename T>
@@ -41,15 +42,18 @@ template <typename T>
 constexpr bool kBf16Dot = false;
 #endif
 
-// Rows on 16-lane float32 vectors (tiles16.h) in a variant compiled for
-// AVX512-FP16: the 8-lane loops are bound by their instructions at G = 4, and
-// on these CPUs (Intel) the AVX512_BF16 dot product costs more than they do.
+// The lanes of the vector loops (lanes.h): 16 in a variant compiled for
+// AVX512-FP16, for every dtype (the 8-lane loops are bound by their
+// instructions at G = 4, and on these CPUs, Intel's, the AVX512_BF16 dot
+// product costs more than they do), else 8. Score tiles hold up to
+// kScoreRows query rows: 4 on 16 lanes (4H accumulators, 4 keys and a query
+// fit the 32 registers), 2 on 8.
 #if defined(__AVX512FP16__)
-template <typename T>
-constexpr bool kWide = true;
+using VectorLanes = Lanes16;
+constexpr int kScoreRows = 4;
 #else
-template <typename T>
-constexpr bool kWide = false;
+using VectorLanes = Lanes8;
+constexpr int kScoreRows = 2;
 #endif
 
 // Blocks of 16-bit keys and values run on AMX tiles in a variant compiled for
@@ -666,25 +670,23 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
       valid = load_block<T, D>(a, ks, t, n, t1, block, rows, &k_next, k_ahead);
       for (int j = 0; j < n; j += 4) {
         const Lookahead ahead{k_next.offset, k_next.rows - j, k_next.offsets ? k_next.offsets + j : nullptr};
-#if defined(__AVX512FP16__)
-        if constexpr (kWide<T>) {
-          for_row_tiles<4>(R, [&]<int H>(int r) {
-            dot_4_rows16<D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, r == 0 ? ahead : Lookahead{});
-          });
-          continue;
-        }
-#endif
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
         if constexpr (kBf16Dot<T>) {
           for_row_tiles<4>(R, [&]<int H>(int r) {
-            dot_4_rows_bf16<D, H>(s.q_raw.data() + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, a.scale,
-                                  r == 0 ? ahead : Lookahead{});
+            float* out = scores + r * kBlock + j;
+            dot_4_rows<Bf16Pairs, D, H>(s.q_raw.data() + r * Dp, rows + j, out, kBlock, Dp, r == 0 ? ahead : Lookahead{});
+            for (int h = 0; h < H; ++h) {
+              for (int c = 0; c < 4; ++c) {
+                out[h * kBlock + c] *= a.scale;
+              }
+            }
           });
           continue;
         }
 #endif
-        for_row_tiles<2>(R, [&]<int H>(int r) {
-          dot_4_rows<D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp, r == 0 ? ahead : Lookahead{});
+        for_row_tiles<kScoreRows>(R, [&]<int H>(int r) {
+          dot_4_rows<VectorLanes, D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp,
+                                        r == 0 ? ahead : Lookahead{});
         });
       }
     }
@@ -719,28 +721,16 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     }
     // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.
     load_block<T, D>(a, vs, t, n, t1, block, rows, &v_next, v_ahead);
-#if defined(__AVX512FP16__)
-    if constexpr (kWide<T>) {
-      for_row_tiles<4>(R, [&]<int H>(int r) {
-        if (masked) {
-          accumulate_rows16<D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, masks + r);
-        } else {
-          accumulate_rows16<D, H, false>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, nullptr,
-                                         r == 0 ? v_next : Lookahead{});
-        }
-      });
-      continue;
-    }
-#endif
     if (masked) {
       for_row_tiles<4>(R, [&]<int H>(int r) {
-        accumulate_rows<D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, masks + r);
+        accumulate_rows<VectorLanes, D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp,
+                                                 masks + r);
       });
       continue;
     }
     for_row_tiles<4>(R, [&]<int H>(int r) {
-      accumulate_rows<D, H, false>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp, nullptr,
-                                   r == 0 ? v_next : Lookahead{});
+      accumulate_rows<VectorLanes, D, H, false>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp,
+                                                nullptr, r == 0 ? v_next : Lookahead{});
     });
   }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -805,32 +795,18 @@ constexpr KernelFns fns() {
 }
 
 // The kernel of a fast head dim (kFastHeadDims), else the generic one (D = 0).
+template <typename T, int... Fast>
+KernelFns fns_for_head_dim(int head_dim, std::integer_sequence<int, Fast...>) {
+  KernelFns f = fns<T, 0>();
+  ((head_dim == Fast && (f = fns<T, Fast>(), true)) || ...);
+  return f;
+}
+
 template <typename T>
 KernelFns fns_for_dtype(int head_dim) {
-  switch (head_dim) {
-    case 32:
-      return fns<T, 32>();
-    case 64:
-      return fns<T, 64>();
-    case 80:
-      return fns<T, 80>();
-    case 96:
-      return fns<T, 96>();
-    case 112:
-      return fns<T, 112>();
-    case 128:
-      return fns<T, 128>();
-    case 160:
-      return fns<T, 160>();
-    case 192:
-      return fns<T, 192>();
-    case 256:
-      return fns<T, 256>();
-    case 512:
-      return fns<T, 512>();
-    default:
-      return fns<T, 0>();
-  }
+  using Fast = std::integer_sequence<int, 32, 64, 80, 96, 112, 128, 160, 192, 256, 512>;
+  static_assert(Fast::size() == std::size(kFastHeadDims), "one kernel per fast head dim");
+  return fns_for_head_dim<T>(head_dim, Fast{});
 }
 
 // The quantized kernels: their own for head dims 64 and 128, else the generic one.
@@ -846,35 +822,45 @@ KernelFns quantized_fns_for_dtype(int head_dim) {
   }
 }
 
-template <int Bits>
-KernelFns quantized_fns_for_bits(Dtype dtype, int head_dim) {
+// f<T>() for the element type T of dtype.
+template <typename F>
+KernelFns for_dtype(Dtype dtype, F&& f) {
   switch (dtype) {
     case Dtype::float16:
-      return quantized_fns_for_dtype<mx::float16_t, Bits>(head_dim);
+      return f.template operator()<mx::float16_t>();
     case Dtype::bfloat16:
-      return quantized_fns_for_dtype<mx::bfloat16_t, Bits>(head_dim);
+      return f.template operator()<mx::bfloat16_t>();
     case Dtype::float32:
-      return quantized_fns_for_dtype<float, Bits>(head_dim);
+      return f.template operator()<float>();
   }
   return {nullptr, nullptr};
 }
+
+template <typename T>
+constexpr Dtype dtype_of = std::is_same_v<T, float> ? Dtype::float32
+    : std::is_same_v<T, mx::float16_t>              ? Dtype::float16
+                                                    : Dtype::bfloat16;
 
 } // namespace
 
+// Null functions for what this variant does not compile (kCompiled), whose
+// templates are then never instantiated.
 KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits) {
-  return bits == 4 ? quantized_fns_for_bits<4>(dtype, head_dim) : quantized_fns_for_bits<8>(dtype, head_dim);
+  return for_dtype(dtype, [&]<typename T>() -> KernelFns {
+    if constexpr (kCompiled.quantized) {
+      return bits == 4 ? quantized_fns_for_dtype<T, 4>(head_dim) : quantized_fns_for_dtype<T, 8>(head_dim);
+    }
+    return {nullptr, nullptr};
+  });
 }
 
 KernelFns kernel_fns(Dtype dtype, int head_dim) {
-  switch (dtype) {
-    case Dtype::float16:
-      return fns_for_dtype<mx::float16_t>(head_dim);
-    case Dtype::bfloat16:
-      return fns_for_dtype<mx::bfloat16_t>(head_dim);
-    case Dtype::float32:
-      return fns_for_dtype<float>(head_dim);
-  }
-  return {nullptr, nullptr};
+  return for_dtype(dtype, [&]<typename T>() -> KernelFns {
+    if constexpr (kCompiled.dense(dtype_of<T>)) {
+      return fns_for_dtype<T>(head_dim);
+    }
+    return {nullptr, nullptr};
+  });
 }
 
 } // namespace mlx_batched_decode::cpu::MBD_CPU_ISA

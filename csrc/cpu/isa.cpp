@@ -19,19 +19,11 @@ namespace {
 enum class Isa { baseline, avx2, avx512bf16, avx512fp16, amx };
 constexpr Isa kIsas[] = {Isa::baseline, Isa::avx2, Isa::avx512bf16, Isa::avx512fp16, Isa::amx};
 
+// Indexed by Isa.
+constexpr const char* kIsaNames[] = {"baseline", "avx2", "avx512bf16", "avx512fp16", "amx"};
+
 const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::avx2:
-      return "avx2";
-    case Isa::avx512bf16:
-      return "avx512bf16";
-    case Isa::avx512fp16:
-      return "avx512fp16";
-    case Isa::amx:
-      return "amx";
-    default:
-      return "baseline";
-  }
+  return kIsaNames[static_cast<int>(isa)];
 }
 
 // Linux hands out AMX tile state only to processes that ask for it, once;
@@ -133,16 +125,21 @@ void set_isa(const std::string& name) {
       "[batched_decode_attention] CPU kernel variant '" + name + "' is not available on this machine");
 }
 
+// Each variant's own kernels where it compiles them (kernel_table.h), else
+// those of the variant it is built on.
 KernelFns kernel_fns(Dtype dtype, int head_dim) {
   switch (selected().load()) {
 #if defined(MBD_HAS_AMX)
     case Isa::amx:
+      if (amx::kCompiled.dense(dtype)) {
+        return amx::kernel_fns(dtype, head_dim);
+      }
 #if defined(MBD_HAS_AVX512FP16)
       // Built on the AVX512-FP16 variant: float32 runs its 16-lane loops.
-      return amx::kernel_fns(dtype, head_dim);
+      return avx512fp16::kernel_fns(dtype, head_dim);
 #else
       // float32 keeps the AVX2 kernel: its bytes, not its arithmetic, bound it.
-      return dtype == Dtype::float32 ? avx2::kernel_fns(dtype, head_dim) : amx::kernel_fns(dtype, head_dim);
+      return avx2::kernel_fns(dtype, head_dim);
 #endif
 #endif
 #if defined(MBD_HAS_AVX512FP16)
@@ -151,9 +148,8 @@ KernelFns kernel_fns(Dtype dtype, int head_dim) {
 #endif
 #if defined(MBD_HAS_AVX512BF16)
     case Isa::avx512bf16:
-      // Only bfloat16 has code of its own there; the AVX-512 build of the
-      // other kernels measured up to 10% slower than their AVX2 build.
-      return dtype == Dtype::bfloat16 ? avx512bf16::kernel_fns(dtype, head_dim) : avx2::kernel_fns(dtype, head_dim);
+      return avx512bf16::kCompiled.dense(dtype) ? avx512bf16::kernel_fns(dtype, head_dim)
+                                                : avx2::kernel_fns(dtype, head_dim);
 #endif
 #if defined(MBD_HAS_AVX2)
     case Isa::avx2:
@@ -168,8 +164,8 @@ KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits) {
   switch (selected().load()) {
 #if defined(MBD_HAS_AVX512BF16)
     case Isa::amx:
+    case Isa::avx512fp16:
     case Isa::avx512bf16:
-      // AVX-512VL's 32 registers let a score tile read 4 packed keys instead of 2 (quantized_tiles.h).
       return avx512bf16::quantized_kernel_fns(dtype, head_dim, bits);
 #endif
 #if defined(MBD_HAS_AVX2)

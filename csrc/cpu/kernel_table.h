@@ -5,27 +5,41 @@
 
 namespace mlx_batched_decode::cpu {
 
+// The kernels a variant compiles: the dense-row kernels (dense and paged
+// sources) of some dtypes, and maybe the quantized ones. isa.cpp sends every
+// other call to the variant that serves it, so a variant compiles only what
+// runs (each instantiation costs build time, none costs speed).
+struct Compiled {
+  bool float16, bfloat16, float32, quantized;
+
+  constexpr bool dense(Dtype dtype) const {
+    return dtype == Dtype::float16 ? float16 : dtype == Dtype::bfloat16 ? bfloat16 : float32;
+  }
+};
+
 // kernel_fns returns the kernel of a head dim: its own for kFastHeadDims, else
 // the generic one; quantized_kernel_fns the kernel on packed keys and values
-// of `bits` (QuantizedRows), for a head dim that is a multiple of 32.
-namespace baseline {
-KernelFns kernel_fns(Dtype dtype, int head_dim);
-KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits);
-}
-namespace avx2 {
-KernelFns kernel_fns(Dtype dtype, int head_dim);
-KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits);
-}
-namespace avx512bf16 {
-KernelFns kernel_fns(Dtype dtype, int head_dim);
-KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits);
-}
-namespace avx512fp16 {
-KernelFns kernel_fns(Dtype dtype, int head_dim);
-}
-namespace amx {
-KernelFns kernel_fns(Dtype dtype, int head_dim);
-KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits);
-}
+// of `bits` (QuantizedRows), for a head dim that is a multiple of 32. Both
+// give null functions for what the variant does not compile.
+#define MBD_DECLARE_CPU_VARIANT(isa, ...)                                \
+  namespace isa {                                                        \
+  inline constexpr Compiled kCompiled{__VA_ARGS__};                      \
+  KernelFns kernel_fns(Dtype dtype, int head_dim);                       \
+  KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits);   \
+  }
+
+// The portable build and AVX2 serve everything on the CPUs they are best for.
+MBD_DECLARE_CPU_VARIANT(baseline, true, true, true, true)
+MBD_DECLARE_CPU_VARIANT(avx2, true, true, true, true)
+// Only bfloat16 has code of its own there (the dot product); the AVX-512
+// build of the other dense kernels measured up to 10% slower than their AVX2
+// build. Its quantized kernels serve every AVX-512 variant: AVX-512VL's 32
+// registers let a score tile read 4 packed keys instead of 2.
+MBD_DECLARE_CPU_VARIANT(avx512bf16, false, true, false, true)
+MBD_DECLARE_CPU_VARIANT(avx512fp16, true, true, true, false)
+// AMX tiles run 16-bit rows only; float32 takes the variant AMX is built on.
+MBD_DECLARE_CPU_VARIANT(amx, true, true, false, false)
+
+#undef MBD_DECLARE_CPU_VARIANT
 
 } // namespace mlx_batched_decode::cpu

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -201,6 +202,10 @@ std::shared_ptr<Call> plan(const DecodeArgs& a) {
   auto call = std::make_shared<Call>();
   call->args = a;
   call->fns = a.quant.bits ? quantized_kernel_fns(a.dtype, a.D, a.quant.bits) : kernel_fns(a.dtype, a.D);
+  if (call->fns.chunk == nullptr) {
+    throw std::logic_error("[batched_decode_attention] the CPU kernel variant " + current_isa() +
+                           " has no kernel for this call");
+  }
   const int64_t pairs = static_cast<int64_t>(a.B) * a.H_kv;
   call->parts_begin.resize(pairs + 1);
   call->remaining = std::make_unique<std::atomic<int>[]>(pairs);

@@ -188,7 +188,7 @@ inline void accumulate_rows_quantized(
     int words,
     Lookahead ahead) {
   // Vectors per slice: at most 32 elements, and dividing the row.
-  constexpr int W = kLanes == 16 ? 2 : (slice_vectors(D, H) < 4 ? slice_vectors(D, H) : 4);
+  constexpr int W = kLanes == 16 ? 2 : (slice_vectors<8>(D, H) < 4 ? slice_vectors<8>(D, H) : 4);
   const int Dn = D ? D : dim;
   const int groups = Dn / group_size;
   for (int i = 0; i < Dn; i += kLanes * W) {

@@ -20,15 +20,8 @@ inline MetalBackend choose_metal_backend(bool metal_present, bool metallib_on_di
 
 /** "metallib", "source", or nullptr for none. */
 inline const char* metal_backend_name(MetalBackend backend) {
-  switch (backend) {
-    case MetalBackend::metallib:
-      return "metallib";
-    case MetalBackend::source:
-      return "source";
-    case MetalBackend::none:
-      return nullptr;
-  }
-  return nullptr;
+  constexpr const char* names[] = {nullptr, "metallib", "source"};
+  return names[static_cast<int>(backend)];
 }
 
 } // namespace mlx_batched_decode

@@ -1,6 +1,7 @@
-// One launch of the decode attention Metal kernels, shared by the eval_gpu of
-// the dense and the paged op (they differ in the row source only: the plan's
-// PagedLayout and what is bound in the kv_starts slot).
+// The one launch of the decode attention Metal kernels, shared by the
+// eval_gpu of every op (eval_gpu.cpp): they differ in the row source only,
+// which is the plan's PagedLayout, what is bound in the kv_starts slot, and
+// the quantized rows' kernel and extra buffers.
 #pragma once
 
 #include "mlx/array.h"
@@ -30,17 +31,22 @@ struct DecodeBuffers {
   const mx::array& sinks;
 };
 
+// What quantized rows add to a launch: keys and values are the packed words,
+// these the scales and biases of keys ([0]) and values ([1]).
+struct QuantizedBuffers {
+  int bits, group_size;
+  const mx::array& key_scales;
+  const mx::array& key_biases;
+  const mx::array& value_scales;
+  const mx::array& value_biases;
+};
+
 // Plans (with the pipeline's thread limit), allocates out and encodes both
-// passes on s. primitive names the command buffer's label.
-void launch_decode_attention(
-    const mx::Stream& s,
-    const char* primitive,
-    LaunchShape shape,
-    const InputStrides& strides,
-    const InputOffsets& offsets,
-    const PagedLayout& paged,
-    float scale,
-    const DecodeBuffers& in,
-    mx::array& out);
+// passes on s. primitive names the command buffer's label; quantized, if set,
+// selects the quantized main kernel and binds its buffers.
+void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchShape shape,
+                             const InputStrides& strides, const InputOffsets& offsets, const PagedLayout& paged,
+                             float scale, const DecodeBuffers& in, mx::array& out,
+                             const QuantizedBuffers* quantized = nullptr);
 
 } // namespace mlx_batched_decode

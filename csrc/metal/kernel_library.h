@@ -13,15 +13,8 @@ namespace mlx_batched_decode {
 
 /** The MSL type of a dtype, as the .metal instantiations spell it. */
 inline const char* msl_type(KernelDtype dtype) {
-  switch (dtype) {
-    case KernelDtype::float16:
-      return "half";
-    case KernelDtype::bfloat16:
-      return "bfloat";
-    case KernelDtype::float32:
-      return "float";
-  }
-  throw std::invalid_argument("[batched_decode_attention] unknown dtype");
+  constexpr const char* types[] = {"half", "bfloat", "float"};
+  return types[static_cast<int>(dtype)];
 }
 
 /** The .metal line instantiating the main and reduce kernels of (dtype, D). */

@@ -84,16 +84,10 @@ constexpr int kLaneQueryFloats = 64;
 constexpr int kGenericHeadDims[] = {32, 64, 128, 256, 512};
 static_assert(std::end(kGenericHeadDims)[-1] == kMaxHeadDim);
 
+/** "float16", "bfloat16" or "float32". */
 inline const char* dtype_name(KernelDtype dtype) {
-  switch (dtype) {
-    case KernelDtype::float16:
-      return "float16";
-    case KernelDtype::bfloat16:
-      return "bfloat16";
-    case KernelDtype::float32:
-      return "float32";
-  }
-  throw std::invalid_argument("[batched_decode_attention] unknown dtype");
+  constexpr const char* names[] = {"float16", "bfloat16", "float32"};
+  return names[static_cast<int>(dtype)];
 }
 
 /** The head dim a kernel is compiled for: D itself, or the generic bucket holding D. */

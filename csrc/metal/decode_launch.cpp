@@ -1,4 +1,5 @@
-// Metal launcher of BatchedDecodeAttention. Compiled only where MLX_BUILD_METAL
+// The launch tail of the decode attention Metal kernels: library, pipelines,
+// bindings and dispatch of both passes. Compiled only where MLX_BUILD_METAL
 // is set (cmake/metal.cmake); the kernels live in csrc/kernels/, the launch
 // plan in launch_plan.h and the run-time libraries in kernel_library.h, both
 // shared with the Linux emulation harness.
@@ -11,12 +12,12 @@
 #include "mlx/backend/metal/device.h"
 #include "mlx/backend/metal/utils.h"
 
-#include "../batched_decode_attention.h"
 #include "../metal_backend.h"
 #include "../metal_source.h"
 #include "decode_launch.h"
 #include "kernel_library.h"
 #include "launch_plan.h"
+#include "quantized_launch_plan.h"
 
 namespace mx = mlx::core;
 
@@ -42,10 +43,17 @@ void check_last_axis(const mx::array& a, const char* name) {
 
 namespace {
 
-// The kernels of (dtype, D): from the prebuilt metallib, or from the embedded
-// source, compiled once per process at the first call of this dtype and head
-// dim. A compile failure is an error, never a CPU fallback.
-MTL::Library* kernel_library(mx::metal::Device& d, KernelDtype dtype, int head_dim) {
+// The source of the run-time library of (dtype, D), with the quantized main
+// kernel of `bits` when bits != 0.
+std::string kernel_source(KernelDtype dtype, int head_dim, int bits) {
+  return bits ? quantized_library_source(metal_source(), dtype, head_dim, bits)
+              : library_source(metal_source(), dtype, head_dim);
+}
+
+// The kernels of (dtype, D[, bits]): from the prebuilt metallib, or from the
+// embedded source, compiled once per process at the first call of this dtype
+// and head dim. A compile failure is an error, never a CPU fallback.
+MTL::Library* kernel_library(mx::metal::Device& d, KernelDtype dtype, int head_dim, int bits) {
   switch (metal_backend()) {
     case MetalBackend::metallib:
       return d.get_library(kMetallibName, module_dir());
@@ -54,23 +62,20 @@ MTL::Library* kernel_library(mx::metal::Device& d, KernelDtype dtype, int head_d
     case MetalBackend::none:
       throw std::runtime_error("[batched_decode_attention] Metal is not available");
   }
-  const std::string name = library_name(metal_source_hash(), dtype, head_dim);
+  const std::string hash = metal_source_hash();
+  const std::string name =
+      bits ? quantized_library_name(hash, dtype, head_dim, bits) : library_name(hash, dtype, head_dim);
   try {
     // MLX's safe math mode: the kernel needs IEEE infinities and NaN (as the metallib's -fno-fast-math).
-    return d.get_library(name, mx::CompileOptions{}, [&] { return library_source(metal_source(), dtype, head_dim); });
+    return d.get_library(name, mx::CompileOptions{}, [&] { return kernel_source(dtype, head_dim, bits); });
   } catch (const std::exception& e) {
-    throw std::runtime_error(
-        "[batched_decode_attention] compiling the Metal kernels " + kernel_suffix(dtype, head_dim) +
-        " from source failed: " + e.what());
+    throw std::runtime_error("[batched_decode_attention] compiling the Metal kernels " + name +
+                             " from source failed: " + e.what());
   }
 }
 
-MTL::ComputePipelineState* pipeline(
-    mx::metal::Device& d,
-    const std::string& kernel,
-    MTL::Library* library,
-    const std::string& hash_name = "",
-    const mx::metal::MTLFCList& constants = {}) {
+MTL::ComputePipelineState* pipeline(mx::metal::Device& d, const std::string& kernel, MTL::Library* library,
+                                    const std::string& hash_name = "", const mx::metal::MTLFCList& constants = {}) {
   try {
     return d.get_kernel(kernel, library, hash_name, constants);
   } catch (const std::exception& e) {
@@ -82,61 +87,26 @@ MTL::Size to_mtl(const Size3& s) {
   return MTL::Size(s.x, s.y, s.z);
 }
 
-} // namespace
-
-void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const mx::array& queries = inputs[0];
-  const mx::array& keys = inputs[1];
-  const mx::array& values = inputs[2];
-  const mx::array& valid_lens = inputs[3];
-  // Absent options are bound to valid_lens (every argument needs a buffer); the params say they are absent.
-  const mx::array& kv_starts = has_kv_starts_ ? inputs[4] : valid_lens;
-  const mx::array& sinks = has_sinks_ ? inputs[4 + int(has_kv_starts_)] : valid_lens;
-  if (out.size() == 0) {  // B == 0: nothing to launch
-    out.set_data(mx::allocator::malloc(0));
-    return;
-  }
-  check_last_axis(queries, "queries");
-  check_last_axis(keys, "keys");
-  check_last_axis(values, "values");
-  const int T = keys.shape(2);
-  LaunchShape shape{
-      queries.shape(0), queries.shape(1), keys.shape(1), queries.shape(2), T, queries.shape(3),
-      effective_window(window_, T), kernel_dtype(queries.dtype()),
-      /* max_threads_per_group, set below */ MBD_SIMD_WIDTH, has_kv_starts_, has_sinks_};
-  const InputStrides strides{queries.strides(0), queries.strides(1), queries.strides(2),
-                             keys.strides(0),    keys.strides(1),    keys.strides(2),
-                             values.strides(0),  values.strides(1),  values.strides(2),
-                             valid_lens.strides(0), kv_starts.strides(0), sinks.strides(0)};
-  // Metal buffers start at least 16-byte aligned, so the views' byte offsets decide the vector loads.
-  const InputOffsets offsets{queries.offset(), keys.offset(), values.offset()};
-
-  launch_decode_attention(stream(), name(), shape, strides, offsets, PagedLayout{}, scale_,
-                          {queries, keys, values, valid_lens, kv_starts, sinks}, out);
+// The plan of the main kernel the row source needs.
+LaunchPlan plan_for(const LaunchShape& shape, const QuantizedBuffers* quantized) {
+  return quantized ? make_quantized_launch_plan(shape, quantized->bits, quantized->group_size)
+                   : make_launch_plan(shape);
 }
 
-void launch_decode_attention(
-    const mx::Stream& s,
-    const char* primitive,
-    LaunchShape shape,
-    const InputStrides& strides,
-    const InputOffsets& offsets,
-    const PagedLayout& paged,
-    float scale,
-    const DecodeBuffers& in,
-    mx::array& out) {
+} // namespace
+
+void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchShape shape,
+                             const InputStrides& strides, const InputOffsets& offsets, const PagedLayout& paged,
+                             float scale, const DecodeBuffers& in, mx::array& out,
+                             const QuantizedBuffers* quantized) {
   mx::metal::Device& d = mx::metal::device(s.device);
-  const mx::array& queries = in.queries;
-  const mx::array& keys = in.keys;
-  const mx::array& values = in.values;
-  const mx::array& valid_lens = in.valid_lens;
-  const mx::array& kv_starts = in.kv_starts;
-  const mx::array& sinks = in.sinks;
   // Names and function constants don't depend on the thread limit, which comes from the pipeline.
-  const LaunchPlan provisional = make_launch_plan(shape);
+  const LaunchPlan provisional = plan_for(shape, quantized);
   int rows = provisional.rows_per_group;
-  bool vectors = vector_loads(shape, provisional, strides, offsets, paged);
-  MTL::Library* library = kernel_library(d, shape.dtype, shape.head_dim);
+  // Packed rows are read a word per lane: only the queries' vectors count for them.
+  bool vectors = quantized ? quantized_vector_loads(shape, provisional, strides, offsets.q)
+                           : vector_loads(shape, provisional, strides, offsets, paged);
+  MTL::Library* library = kernel_library(d, shape.dtype, shape.head_dim, quantized ? quantized->bits : 0);
   const mx::metal::MTLFCList constants = {
       {&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS},
       {&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}};
@@ -144,7 +114,7 @@ void launch_decode_attention(
       d, provisional.kernel, library,
       provisional.kernel + "_rows" + std::to_string(rows) + (vectors ? "_vector" : "_scalar"), constants);
   shape.max_threads_per_group = int(kernel->maxTotalThreadsPerThreadgroup());
-  const LaunchPlan plan = make_launch_plan(shape);
+  const LaunchPlan plan = plan_for(shape, quantized);
   mx::check_kernel_threadgroup_size(kernel, to_mtl(plan.group), plan.kernel);
   const bool split = plan.num_splits > 1;
   // Both pipelines before any encoding: a failure leaves no half-encoded work.
@@ -176,25 +146,44 @@ void launch_decode_attention(
   }
 
   encoder.set_compute_pipeline_state(kernel);
-  encoder.set_input_array(queries, kQueries);
-  encoder.set_input_array(keys, kKeys);
-  encoder.set_input_array(values, kValues);
-  encoder.set_input_array(valid_lens, kValidLens);
-  encoder.set_input_array(kv_starts, kKvStarts);
-  encoder.set_input_array(sinks, kSinks);
+  encoder.set_input_array(in.queries, kQueries);
+  encoder.set_input_array(in.keys, kKeys);
+  encoder.set_input_array(in.values, kValues);
+  encoder.set_input_array(in.valid_lens, kValidLens);
+  encoder.set_input_array(in.kv_starts, kKvStarts);
+  encoder.set_input_array(in.sinks, kSinks);
   encoder.set_output_array(out, kOut);
   // Single pass never touches the partials, but every kernel argument must be bound.
   encoder.set_output_array(split ? partials[0] : out, kPartialAcc);
   encoder.set_output_array(split ? partials[1] : out, kPartialMax);
   encoder.set_output_array(split ? partials[2] : out, kPartialSum);
   encoder.set_bytes(params, kParams);
+  if (quantized) {
+    const mx::array& scales = quantized->key_scales;
+    const mx::array* arrays[2][2] = {{&scales, &quantized->key_biases},
+                                     {&quantized->value_scales, &quantized->value_biases}};
+    QuantizedStrides qstrides{};
+    for (int side = 0; side < 2; ++side) {
+      for (int axis = 0; axis < 4; ++axis) {
+        qstrides.scales[side][axis] = arrays[side][0]->strides(axis);
+        qstrides.biases[side][axis] = arrays[side][1]->strides(axis);
+      }
+    }
+    const QuantizedDecodeParams qparams =
+        make_quantized_params(shape, qstrides, quantized->group_size, kernel_dtype(scales.dtype()));
+    encoder.set_input_array(quantized->key_scales, MBD_QUANT_KEY_SCALES);
+    encoder.set_input_array(quantized->key_biases, MBD_QUANT_KEY_BIASES);
+    encoder.set_input_array(quantized->value_scales, MBD_QUANT_VALUE_SCALES);
+    encoder.set_input_array(quantized->value_biases, MBD_QUANT_VALUE_BIASES);
+    encoder.set_bytes(qparams, MBD_QUANT_PARAMS);
+  }
   encoder.dispatch_threadgroups(to_mtl(plan.grid), to_mtl(plan.group));
 
   if (split) {
     encoder.set_compute_pipeline_state(reduce);
-    encoder.set_input_array(valid_lens, kValidLens);
-    encoder.set_input_array(kv_starts, kKvStarts);
-    encoder.set_input_array(sinks, kSinks);
+    encoder.set_input_array(in.valid_lens, kValidLens);
+    encoder.set_input_array(in.kv_starts, kKvStarts);
+    encoder.set_input_array(in.sinks, kSinks);
     encoder.set_output_array(out, kOut);
     encoder.set_input_array(partials[0], kPartialAcc);
     encoder.set_input_array(partials[1], kPartialMax);

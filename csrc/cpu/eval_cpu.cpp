@@ -1,0 +1,126 @@
+// eval_cpu of the op family: each op describes its call in plain terms
+// (DecodeArgs: the part every layout shares, then what its row source adds)
+// and queues the one CPU kernel on the stream's command encoder.
+#include <array>
+
+#include "cpu/decode_args.h"
+#include "cpu/parallel_decode.h"
+#include "decode_primitive.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+
+namespace mlx_batched_decode {
+
+namespace {
+
+cpu::Dtype to_kernel_dtype(mx::Dtype t) {
+  if (t == mx::float16) {
+    return cpu::Dtype::float16;
+  }
+  if (t == mx::bfloat16) {
+    return cpu::Dtype::bfloat16;
+  }
+  return cpu::Dtype::float32;
+}
+
+// Where the kernel's key and value rows live: arrays whose axes `axes` are
+// the kernel's {request or page, head, position or row, dim}, holding H_kv
+// heads over T logical positions.
+struct Rows {
+  const mx::array& keys;
+  const mx::array& values;
+  int H_kv, T;
+  std::array<int, 4> axes = {0, 1, 2, 3};
+};
+
+// The shared part of a call's description; allocates out.
+cpu::DecodeArgs describe(const DecodePrimitive& p, const std::vector<mx::array>& inputs, const Rows& rows,
+                         mx::array& out) {
+  const mx::array& q = inputs[0];
+  const mx::array& lens = p.valid_lens(inputs);
+  const mx::array* starts = p.kv_starts(inputs);
+  const mx::array* sinks = p.sinks(inputs);
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+
+  cpu::DecodeArgs a{};
+  a.queries = q.data<void>();
+  a.keys = rows.keys.data<void>();
+  a.values = rows.values.data<void>();
+  a.valid_lens = lens.data<int32_t>();
+  a.kv_starts = starts ? starts->data<int32_t>() : nullptr;
+  a.sinks = sinks ? sinks->data<float>() : nullptr;
+  a.out = out.data<void>();
+  a.dtype = to_kernel_dtype(q.dtype());
+  a.B = q.shape(0);
+  a.H_q = q.shape(1);
+  a.H_kv = rows.H_kv;
+  a.G = a.H_q / a.H_kv;
+  a.L = q.shape(2);
+  a.T = rows.T;
+  a.D = q.shape(3);
+  a.Dp = cpu::padded_head_dim(a.D);
+  a.window = effective_window(p.attributes().window, a.T);
+  for (int i = 0; i < 4; ++i) {
+    a.q_stride[i] = q.strides(i);
+    a.k_stride[i] = rows.keys.strides(rows.axes[i]);
+    a.v_stride[i] = rows.values.strides(rows.axes[i]);
+  }
+  a.lens_stride = lens.strides(0);
+  a.starts_stride = starts ? starts->strides(0) : 0;
+  a.sinks_stride = sinks ? sinks->strides(0) : 0;
+  a.scale = p.attributes().scale;
+  return a;
+}
+
+void queue(const mx::Stream& stream, const std::vector<mx::array>& inputs, mx::array& out,
+           const cpu::DecodeArgs& a) {
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const mx::array& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  encoder.set_output_array(out);
+  // Only the plain description is captured; the inputs outlive the task.
+  encoder.dispatch([a]() { cpu::run_decode(a); });
+}
+
+} // namespace
+
+void BatchedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const mx::array& k = inputs[1];
+  queue(stream(), inputs, out, describe(*this, inputs, {k, inputs[2], k.shape(1), k.shape(2)}, out));
+}
+
+void PagedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const mx::array& k = inputs[1];
+  const mx::array& tables = inputs[3];
+  // Pools [page, row, head, dim] as the kernel's {page, head, row, dim}.
+  cpu::DecodeArgs a = describe(*this, inputs, {k, inputs[2], k.shape(2), tables.shape(1) * k.shape(1), {0, 2, 1, 3}}, out);
+  a.block_tables = tables.data<int32_t>();
+  a.table_stride[0] = tables.strides(0);
+  a.table_stride[1] = tables.strides(1);
+  a.block_size = k.shape(1);
+  a.num_blocks = k.shape(0);
+  queue(stream(), inputs, out, a);
+}
+
+void QuantizedBatchedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const mx::array& k = inputs[kKeyWords];
+  cpu::DecodeArgs a = describe(*this, inputs, {k, inputs[kValueWords], k.shape(1), k.shape(2)}, out);
+  a.Dp = a.D; // a multiple of group_size, so of 32
+  a.quant.bits = attributes().bits;
+  a.quant.group_size = attributes().group_size;
+  a.quant.scales_dtype = to_kernel_dtype(inputs[kKeyScales].dtype());
+  for (int side = 0; side < 2; ++side) {
+    const mx::array& scales = inputs[side ? kValueScales : kKeyScales];
+    const mx::array& biases = inputs[side ? kValueBiases : kKeyBiases];
+    a.quant.scales[side] = scales.data<void>();
+    a.quant.biases[side] = biases.data<void>();
+    for (int i = 0; i < 4; ++i) {
+      a.quant.scales_stride[side][i] = scales.strides(i);
+      a.quant.biases_stride[side][i] = biases.strides(i);
+    }
+  }
+  queue(stream(), inputs, out, a);
+}
+
+} // namespace mlx_batched_decode
