@@ -24,7 +24,7 @@ import sys
 import mlx.core as mx
 
 from mlx_batched_decode import BatchedDecoder
-from mlx_batched_decode.random_model import random_model
+from mlx_batched_decode.tools.random_model import random_model
 
 from common import describe_machine, machine, print_table, save
 

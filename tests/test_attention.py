@@ -6,9 +6,10 @@ import mlx.core as mx
 import pytest
 
 import mlx_batched_decode
-from mlx_batched_decode.attention import SeedAttention, SlotAttention
-from mlx_batched_decode.context import BatchedDecodeContext
-from mlx_batched_decode.kv_cache import ContiguousKVCache, SlotKVCache
+from mlx_batched_decode.attention.seed import SeedAttention
+from mlx_batched_decode.attention.slot import SlotAttention
+from mlx_batched_decode.caches.context import BatchedDecodeContext
+from mlx_batched_decode.caches.kv_cache import ContiguousKVCache, SlotKVCache
 
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}
 

@@ -4,9 +4,9 @@ import mlx.core as mx
 import pytest
 
 import mlx_batched_decode
-from mlx_batched_decode.attention import SlotAttention
-from mlx_batched_decode.context import BatchedDecodeContext
-from mlx_batched_decode.kv_cache import SlotKVCache
+from mlx_batched_decode.attention.slot import SlotAttention
+from mlx_batched_decode.caches.context import BatchedDecodeContext
+from mlx_batched_decode.caches.kv_cache import SlotKVCache
 
 
 def test_derived_fields_with_uneven_lengths():

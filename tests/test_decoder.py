@@ -10,9 +10,9 @@ from mlx_lm.models import base, llama  # noqa: E402
 
 import mlx_batched_decode  # noqa: E402
 from mlx_batched_decode import _ext  # noqa: E402
-from mlx_batched_decode.context import BatchedDecodeContext  # noqa: E402
-from mlx_batched_decode.decoder import BatchedDecoder  # noqa: E402
-from mlx_batched_decode.random_model import random_model  # noqa: E402
+from mlx_batched_decode.caches.context import BatchedDecodeContext  # noqa: E402
+from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from mlx_lm_models import LLAMA, QWEN3, VOCAB, mlx_lm_greedy, random_prompts  # noqa: E402
 
 # Odd small configs: GQA groups 2, 3 and 4, head dims 64 and 128, hidden != heads * head_dim.

@@ -9,9 +9,9 @@ pytest.importorskip("mlx_lm")
 
 import mlx_batched_decode  # noqa: E402
 from mlx_batched_decode import _ext  # noqa: E402
-from mlx_batched_decode.decoder import BatchedDecoder  # noqa: E402
-from mlx_batched_decode.paged_kv_cache import block_hashes  # noqa: E402
-from mlx_batched_decode.random_model import random_model  # noqa: E402
+from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.caches.prefix_hashes import block_hashes  # noqa: E402
+from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from mlx_lm_models import GPT_OSS, LLAMA, QWEN3, mlx_lm_greedy, random_prompts  # noqa: E402
 
 BASE, OWN = random_prompts([70, 40], seed=5)
@@ -216,7 +216,7 @@ def test_memory_returns_after_requests_leave(models):
 def test_cached_prefix_prefill_equals_a_whole_prefill(models, family):
     """Every request's keys/values in the pools, shared blocks and its own prefill continuing
     from them, equal a prefill of its whole prompt through mlx-lm's own caches."""
-    from mlx_batched_decode.mlx_lm_prefill import prefill
+    from mlx_batched_decode.decoding.prefill import prefill
 
     model = models[family]
     decoder = BatchedDecoder(model, kv_layout="paged", block_size=8)

@@ -17,10 +17,10 @@ pytest.importorskip("mlx_lm")
 
 import mlx_batched_decode  # noqa: E402
 from mlx_batched_decode import _ext  # noqa: E402
-from mlx_batched_decode.decoder import BatchedDecoder  # noqa: E402
-from mlx_batched_decode.kv_cache import SlotKVCache  # noqa: E402
-from mlx_batched_decode.quantized_kv_cache import QuantizedSlotKVCache  # noqa: E402
-from mlx_batched_decode.random_model import random_model  # noqa: E402
+from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.caches.kv_cache import SlotKVCache  # noqa: E402
+from mlx_batched_decode.caches.quantized_kv_cache import QuantizedSlotKVCache  # noqa: E402
+from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from mlx_lm_models import GPT_OSS, mlx_lm_greedy, random_prompts  # noqa: E402
 from test_decoder import FAMILIES  # noqa: E402
 from test_decoder_windows import FAMILIES as WINDOW_FAMILIES  # noqa: E402
@@ -229,7 +229,7 @@ def test_quantized_chunked_prefill_with_sinks(monkeypatch):
     """gpt-oss prefilled in chunks of 8 at 4 bits: from the second chunk on, its full layers
     attend a QuantizedKVCache with sinks, which mlx-lm refuses; the op serves them. Reference:
     the same decode with that attention in plain MLX (mx.dequantize + masked SDPA with sinks)."""
-    import mlx_batched_decode.mlx_lm_adapter as adapter
+    import mlx_batched_decode.decoding.model_adapter as adapter
 
     # Four layers (sliding, full, sliding, full): the first full layer's chunk attention feeds
     # the keys and values of the layers after it.

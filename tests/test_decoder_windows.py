@@ -10,9 +10,9 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
 
 import mlx_batched_decode  # noqa: E402
-from mlx_batched_decode.decoder import BatchedDecoder  # noqa: E402
-from mlx_batched_decode.mlx_lm_prefill import layer_windows, prefill  # noqa: E402
-from mlx_batched_decode.random_model import random_model  # noqa: E402
+from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.decoding.prefill import layer_windows, prefill  # noqa: E402
+from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from mlx_lm_models import GPT_OSS, VOCAB, WINDOW, mlx_lm_greedy, random_prompts  # noqa: E402
 
 # Each family with its own way of choosing windowed layers; small odd shapes.

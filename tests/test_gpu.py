@@ -261,7 +261,7 @@ def test_capture_of_one_decode_step(tmp_path):
     trace = tmp_path / "decode_step.gputrace"
     code = (
         "import mlx.core as mx, mlx_batched_decode as mbd\n"
-        "from mlx_batched_decode.profiling import metal_capture\n"
+        "from mlx_batched_decode.tools.profiling import metal_capture\n"
         "q = mx.random.normal((4, 32, 1, 128)).astype(mx.float16)\n"
         "k = mx.random.normal((4, 8, 1024, 128)).astype(mx.float16)\n"
         "lens = mx.array([1024, 7, 300, 0])\n"
@@ -275,7 +275,7 @@ def test_capture_of_one_decode_step(tmp_path):
 
 
 def test_capture_without_capture_enabled_raises(tmp_path):
-    from mlx_batched_decode.profiling import metal_capture
+    from mlx_batched_decode.tools.profiling import metal_capture
 
     if os.environ.get("MTL_CAPTURE_ENABLED") == "1":
         pytest.skip("this process was started with captures enabled")

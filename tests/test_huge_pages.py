@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import mlx_batched_decode
-from mlx_batched_decode.context import BatchedDecodeContext
-from mlx_batched_decode.kv_cache import SlotKVCache
+from mlx_batched_decode.caches.context import BatchedDecodeContext
+from mlx_batched_decode.caches.kv_cache import SlotKVCache
 
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 MIB = 1 << 20

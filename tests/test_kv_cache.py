@@ -4,9 +4,10 @@ and a decode step copies no whole buffer."""
 import mlx.core as mx
 import pytest
 
-from mlx_batched_decode.attention import SeedAttention, SlotAttention
-from mlx_batched_decode.context import BatchedDecodeContext
-from mlx_batched_decode.kv_cache import ContiguousKVCache, SlotKVCache
+from mlx_batched_decode.attention.seed import SeedAttention
+from mlx_batched_decode.attention.slot import SlotAttention
+from mlx_batched_decode.caches.context import BatchedDecodeContext
+from mlx_batched_decode.caches.kv_cache import ContiguousKVCache, SlotKVCache
 
 HEADS, DIM = 2, 8
 

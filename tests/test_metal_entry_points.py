@@ -9,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.skipif(mx.metal.is_available(), reason="Metal is available: tests/test_gpu.py covers it")
 
 mbd = pytest.importorskip("mlx_batched_decode")
-from mlx_batched_decode.profiling import metal_capture  # noqa: E402
+from mlx_batched_decode.tools.profiling import metal_capture  # noqa: E402
 
 
 def test_metal_capture_raises_instead_of_recording_nothing(tmp_path):

@@ -28,9 +28,9 @@ from mlx_lm.models.cache import (  # noqa: E402
 
 import mlx_batched_decode.mlx_lm as plugin  # noqa: E402
 from mlx_batched_decode import _ext  # noqa: E402
-from mlx_batched_decode.mlx_lm import patches  # noqa: E402
-from mlx_batched_decode.mlx_lm.routing import DecodeRouter  # noqa: E402
-from mlx_batched_decode.random_model import random_model  # noqa: E402
+from mlx_batched_decode.integrations.mlx_lm import patches  # noqa: E402
+from mlx_batched_decode.integrations.mlx_lm.routing import DecodeRouter  # noqa: E402
+from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from mlx_lm_models import GPT_OSS, LLAMA, QWEN3, random_prompts  # noqa: E402
 
 FAMILIES = {

@@ -11,8 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_batched_decode.block_allocator import BlockAllocator, BlockBudgetError
-from mlx_batched_decode.paged_kv_cache import PagedKVCache, block_hashes
+from mlx_batched_decode.caches.block_allocator import BlockAllocator, BlockBudgetError
+from mlx_batched_decode.caches.paged_kv_cache import PagedKVCache
+from mlx_batched_decode.caches.prefix_hashes import block_hashes
 
 H_KV, D = 2, 4
 

@@ -4,8 +4,8 @@ values written there, growth loses nothing, and a step's write copies no whole b
 import mlx.core as mx
 import pytest
 
-from mlx_batched_decode.context import BatchedDecodeContext
-from mlx_batched_decode.quantized_kv_cache import QuantizedSlotKVCache
+from mlx_batched_decode.caches.context import BatchedDecodeContext
+from mlx_batched_decode.caches.quantized_kv_cache import QuantizedSlotKVCache
 
 HEADS, DIM = 2, 128
 

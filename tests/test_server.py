@@ -22,8 +22,8 @@ import pytest
 pytest.importorskip("mlx_lm")
 openai = pytest.importorskip("openai")
 
-from mlx_batched_decode.local_server import healthy, running_server  # noqa: E402
-from mlx_batched_decode.model_folder import SPECIAL_TOKENS, save_model_folder, word  # noqa: E402
+from mlx_batched_decode.tools.local_server import healthy, running_server  # noqa: E402
+from mlx_batched_decode.tools.model_folder import SPECIAL_TOKENS, save_model_folder, word  # noqa: E402
 
 VOCAB = 160
 CONFIG = dict(

@@ -11,9 +11,9 @@ pytest.importorskip("mlx_lm")
 from mlx.utils import tree_map  # noqa: E402
 
 import mlx_batched_decode  # noqa: E402
-import mlx_batched_decode.speculative as speculative  # noqa: E402
-from mlx_batched_decode.decoder import BatchedDecoder  # noqa: E402
-from mlx_batched_decode.random_model import random_model  # noqa: E402
+import mlx_batched_decode.decoding.speculative as speculative  # noqa: E402
+from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from mlx_lm_models import VOCAB, random_prompts  # noqa: E402
 from test_decoder_windows import FAMILIES, build  # noqa: E402
 
@@ -77,7 +77,7 @@ def test_greedy_equals_decoding_without_draft(
         accepted_per_round.append([len(tokens) - 1 for tokens in result.tokens])
         return result
 
-    monkeypatch.setattr("mlx_batched_decode.decoder.speculative_round", recording_round)
+    monkeypatch.setattr("mlx_batched_decode.decoding.decoder.speculative_round", recording_round)
     decoder = BatchedDecoder(
         targets[family],
         draft_model=drafts[family][draft],

@@ -19,7 +19,7 @@ pytest.importorskip("mlx_lm")
 
 from mlx_lm.generate import batch_generate  # noqa: E402
 
-from mlx_batched_decode.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
 from tp_worker import FAMILIES, MAX_TOKENS, Tokenizer, build, prompts  # noqa: E402
 
 RANKS = 2

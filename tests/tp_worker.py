@@ -16,9 +16,9 @@ from mlx_lm.generate import batch_generate, generation_stream
 
 import mlx_batched_decode
 import mlx_batched_decode.mlx_lm as plugin
-from mlx_batched_decode.decoder import BatchedDecoder
-from mlx_batched_decode.random_model import random_model
-from mlx_batched_decode.tensor_parallel import shard
+from mlx_batched_decode.decoding.decoder import BatchedDecoder
+from mlx_batched_decode.tools.random_model import random_model
+from mlx_batched_decode.integrations.tensor_parallel import shard
 from mlx_lm_models import GPT_OSS, VOCAB, random_prompts
 
 # Head counts divisible by 2 ranks; gpt-oss adds sinks, a sliding-window layer and experts.

@@ -14,9 +14,17 @@ then stay on mlx-lm's path; prefill, every other cache kind and everything outsi
 mlx-lm's code unchanged (``routing`` says why for each). No file of mlx-lm is edited: ``enable()``
 replaces a function and two methods in memory, ``disable()`` restores them (``patches``).
 ``stats()`` counts the attention calls by where they ran. mlx-lm 0.32.2 is required.
+The plug-in's code lives in ``mlx_batched_decode.integrations.mlx_lm``.
 """
 
-from .patches import MLX_LM_VERSION, disable, enable, enabled, is_enabled, stats
-from .routing import PluginStats
+from .integrations.mlx_lm import (
+    MLX_LM_VERSION,
+    PluginStats,
+    disable,
+    enable,
+    enabled,
+    is_enabled,
+    stats,
+)
 
 __all__ = ["MLX_LM_VERSION", "PluginStats", "disable", "enable", "enabled", "is_enabled", "stats"]

@@ -37,8 +37,8 @@ import mlx.nn as nn
 
 import mlx_batched_decode
 
-from .attention import DecodeAttention
-from .context import BatchedDecodeContext
+from ..attention.base import DecodeAttention
+from ..caches.context import BatchedDecodeContext
 
 
 class StepLayerCache:
@@ -111,6 +111,24 @@ class StepLayerCache:
         return self.attention.attend(
             self.context, queries, keys, values, scale=scale, window=self.window, sinks=sinks
         )
+
+
+def routed_forward(
+    model: nn.Module,
+    tokens: mx.array,
+    context: BatchedDecodeContext,
+    attention: DecodeAttention,
+    windows: list[Optional[int]],
+    routed_modules: list[Any],
+) -> mx.array:
+    """One decode step's forward pass of ``model``: int32 ``tokens [B, L]`` -> logits
+    ``[B, L, V]`` (lazy), layer ``i`` attending through ``attention`` within ``windows[i]``, every
+    layer reading the one ``context``."""
+    step_caches = [
+        StepLayerCache(attention, context, layer, window) for layer, window in enumerate(windows)
+    ]
+    with route_attention(routed_modules):
+        return model(tokens, cache=step_caches)
 
 
 def mlx_lm_attention_modules(model: nn.Module) -> list[Any]:

@@ -10,12 +10,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ._ext import advise_huge_pages
+from .buffers import check_step, place_on_huge_pages, round_up, slot_growth
 from .context import BatchedDecodeContext
-
-
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
 
 
 class ContiguousKVCache:
@@ -27,9 +23,7 @@ class ContiguousKVCache:
     """
 
     def __init__(self, step: int = 256):
-        if step < 1:
-            raise ValueError(f"[ContiguousKVCache] step must be >= 1, got {step}")
-        self.step = step
+        self.step = check_step("ContiguousKVCache", step)
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
         self.offset = 0
@@ -59,7 +53,7 @@ class ContiguousKVCache:
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def _grow(self, needed: int, keys: mx.array, values: mx.array) -> None:
-        capacity = _round_up(needed, self.step)
+        capacity = round_up(needed, self.step)
         new_keys = mx.zeros((1, keys.shape[1], capacity, keys.shape[3]), keys.dtype)
         new_values = mx.zeros((1, values.shape[1], capacity, values.shape[3]), values.dtype)
         if self.offset > 0:
@@ -80,9 +74,7 @@ class SlotKVCache:
     """
 
     def __init__(self, step: int = 256):
-        if step < 1:
-            raise ValueError(f"[SlotKVCache] step must be >= 1, got {step}")
-        self.step = step
+        self.step = check_step("SlotKVCache", step)
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
 
@@ -106,30 +98,18 @@ class SlotKVCache:
         to a multiple of ``step``; a cache that is big enough is left untouched.
         """
         if self.keys is None:
-            capacity = _round_up(max(length, 1), self.step)
+            capacity = round_up(max(length, 1), self.step)
             self.keys = mx.zeros((slots, keys.shape[1], capacity, keys.shape[3]), keys.dtype)
             self.values = mx.zeros(
                 (slots, values.shape[1], capacity, values.shape[3]), values.dtype
             )
-            self._place_on_huge_pages()
-            return
-        if length <= self.capacity and slots <= self.slots:
-            return
-        # Slots at least double, so admitting B requests one by one copies the
-        # buffers O(log B) times, not B times; positions grow by whole chunks.
-        new_slots = max(slots, 2 * self.slots) if slots > self.slots else self.slots
-        new_capacity = max(_round_up(length, self.step), self.capacity)
-        widths = [(0, new_slots - self.slots), (0, 0), (0, new_capacity - self.capacity), (0, 0)]
-        self.keys = mx.pad(self.keys, widths)
-        self.values = mx.pad(self.values, widths)
-        self._place_on_huge_pages()
-
-    def _place_on_huge_pages(self) -> None:
-        # New buffers only: the in-place writes of later steps keep the memory, and with it the
-        # pages. The pages are chosen once the memory exists, so this costs a sync per growth.
-        mx.eval(self.keys, self.values)
-        advise_huge_pages(self.keys)
-        advise_huge_pages(self.values)
+        else:
+            widths = slot_growth(slots, length, self.slots, self.capacity, self.step)
+            if widths is None:
+                return
+            self.keys = mx.pad(self.keys, widths)
+            self.values = mx.pad(self.values, widths)
+        place_on_huge_pages([self.keys, self.values])
 
     def write_prompt(self, slot: int, keys: mx.array, values: mx.array) -> None:
         """Store a prefilled request's ``[1, H_kv, L, D]`` keys/values at positions

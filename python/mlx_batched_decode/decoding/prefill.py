@@ -120,7 +120,7 @@ def prefill(
     """
     from mlx_lm.models.cache import KVCache
 
-    from .mlx_lm_adapter import mlx_lm_attention_modules, route_attention
+    from .model_adapter import mlx_lm_attention_modules, route_attention
 
     caches = prompt_caches(model)
     # Quantized, layers with sinks attend through our op: mlx-lm's quantized attention refuses them.

@@ -22,9 +22,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ._ext import advise_huge_pages
+from .buffers import check_step, place_on_huge_pages, round_up, slot_growth
 from .context import BatchedDecodeContext
-from .kv_cache import _round_up
 
 QUANTIZED_BITS = (4, 8)
 QUANTIZED_GROUP_SIZES = (32, 64, 128)
@@ -51,11 +50,9 @@ class QuantizedSlotKVCache:
 
     def __init__(self, group_size: int = 64, bits: int = 8, step: int = 256):
         check_quantization("QuantizedSlotKVCache", bits, group_size)
-        if step < 1:
-            raise ValueError(f"[QuantizedSlotKVCache] step must be >= 1, got {step}")
         self.group_size = group_size
         self.bits = bits
-        self.step = step
+        self.step = check_step("QuantizedSlotKVCache", step)
         self.keys: Optional[Triple] = None
         self.values: Optional[Triple] = None
 
@@ -83,7 +80,7 @@ class QuantizedSlotKVCache:
         """Make room for ``slots`` slots of ``length`` positions, the buffers shaped and typed like
         the members of the triples ``keys``/``values``; growing copies each buffer once."""
         if self.keys is None:
-            capacity = _round_up(max(length, 1), self.step)
+            capacity = round_up(max(length, 1), self.step)
 
             def allocate(triple: Triple) -> Triple:
                 return tuple(
@@ -91,23 +88,14 @@ class QuantizedSlotKVCache:
                 )
 
             self.keys, self.values = allocate(keys), allocate(values)
-            self._place_on_huge_pages()
-            return
-        if length <= self.capacity and slots <= self.slots:
-            return
-        # As SlotKVCache: slots at least double, positions grow by whole chunks.
-        new_slots = max(slots, 2 * self.slots) if slots > self.slots else self.slots
-        new_capacity = max(_round_up(length, self.step), self.capacity)
-        widths = [(0, new_slots - self.slots), (0, 0), (0, new_capacity - self.capacity), (0, 0)]
-        self.keys = tuple(mx.pad(x, widths) for x in self.keys)
-        self.values = tuple(mx.pad(x, widths) for x in self.values)
-        self._place_on_huge_pages()
-
-    def _place_on_huge_pages(self) -> None:
-        # New buffers only, as SlotKVCache: later in-place writes keep the memory and its pages.
-        mx.eval(self.buffers())
-        for buffer in self.buffers():
-            advise_huge_pages(buffer)
+        else:
+            # As SlotKVCache: slots at least double, positions grow by whole chunks.
+            widths = slot_growth(slots, length, self.slots, self.capacity, self.step)
+            if widths is None:
+                return
+            self.keys = tuple(mx.pad(x, widths) for x in self.keys)
+            self.values = tuple(mx.pad(x, widths) for x in self.values)
+        place_on_huge_pages(self.buffers())
 
     def write_prompt(self, slot: int, keys: Triple, values: Triple) -> None:
         """Store a prefilled request's quantized ``[1, H_kv, L, *]`` triples at positions

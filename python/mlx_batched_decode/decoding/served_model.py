@@ -19,12 +19,14 @@ from typing import Any, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention import DecodeAttention, QuantizedSlotAttention, SeedAttention, SlotAttention
-from .context import BatchedDecodeContext
-from .kv_cache import ContiguousKVCache, SlotKVCache
-from .mlx_lm_adapter import StepLayerCache, mlx_lm_attention_modules, route_attention
-from .mlx_lm_prefill import layer_windows, prefill, prompt_caches
-from .quantized_kv_cache import QuantizedSlotKVCache
+from ..attention.base import DecodeAttention
+from ..attention.seed import SeedAttention
+from ..attention.slot import QuantizedSlotAttention, SlotAttention
+from ..caches.context import BatchedDecodeContext
+from ..caches.kv_cache import ContiguousKVCache, SlotKVCache
+from ..caches.quantized_kv_cache import QuantizedSlotKVCache
+from .model_adapter import mlx_lm_attention_modules, routed_forward
+from .prefill import layer_windows, prefill, prompt_caches
 
 
 class ServedModel:
@@ -138,12 +140,9 @@ class ServedModel:
                 [row[layer] for row in self.seed_rows] for layer in range(self.num_layers)
             ]
         context = BatchedDecodeContext(batch, seq_lens, layer_caches, query_len)
-        step_caches = [
-            StepLayerCache(self.attention, context, layer, window)
-            for layer, window in enumerate(self.windows)
-        ]
-        with route_attention(self.routed_modules):
-            return self.model(tokens, cache=step_caches)
+        return routed_forward(
+            self.model, tokens, context, self.attention, self.windows, self.routed_modules
+        )
 
     def cache_arrays(self) -> list[mx.array]:
         """Every K/V buffer of the active requests: evaluating them runs pending writes of a

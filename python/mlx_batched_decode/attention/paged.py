@@ -6,15 +6,13 @@ H_kv = key/value heads, N = blocks per pool, D = head dimension.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
 import mlx_batched_decode
 
-from .attention import DecodeAttention
-from .paged_context import PagedDecodeContext
-from .paged_kv_cache import PagedKVCache
+from ..caches.paged_context import PagedDecodeContext
+from ..caches.paged_kv_cache import PagedKVCache
+from .base import AttendOptions, DecodeAttention
 
 
 class PagedAttention(DecodeAttention):
@@ -35,25 +33,8 @@ class PagedAttention(DecodeAttention):
             )
         return cache.write(layer, keys, values, context)
 
-    def attend(
-        self,
-        context: PagedDecodeContext,
-        queries: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        *,
-        scale: Optional[float] = None,
-        window: Optional[int] = None,
-        sinks: Optional[mx.array] = None,
-    ) -> mx.array:
+    def _attend(self, context, queries, keys, values, options: AttendOptions) -> mx.array:
         """``queries [B, H_q, L, D]`` over the pools from ``update`` -> ``[B, H_q, L, D]``."""
         return mlx_batched_decode.paged_decode_attention(
-            queries,
-            keys,
-            values,
-            context.block_tables,
-            context.valid_lens,
-            scale=scale,
-            window=window,
-            sinks=sinks,
+            queries, keys, values, context.block_tables, context.valid_lens, **options._asdict()
         )

@@ -19,27 +19,15 @@ N = blocks in each pool, H_kv = key/value heads, P = positions, D = head dimensi
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Hashable, Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 
-from ._ext import advise_huge_pages
 from .block_allocator import BlockAllocator
+from .buffers import place_on_huge_pages
 from .paged_context import PagedDecodeContext
-
-
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """The chained hash of every full block of ``tokens``: block ``i``'s hash covers its own
-    tokens and, through block ``i - 1``'s hash, every token before it (128-bit SHA-256 prefix)."""
-    hashes, parent = [], b""
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        block = np.asarray(tokens[start : start + block_size], dtype=np.int64).tobytes()
-        parent = hashlib.sha256(parent + block).digest()[:16]
-        hashes.append(int.from_bytes(parent, "little"))
-    return hashes
+from .prefix_hashes import block_hashes
 
 
 class PagedKVCache:
@@ -305,7 +293,7 @@ class PagedKVCache:
             shape = (self.num_blocks, self.block_size, keys.shape[1])
             self.keys[layer] = mx.zeros((*shape, keys.shape[3]), keys.dtype)
             self.values[layer] = mx.zeros((*shape, values.shape[3]), values.dtype)
-            self._place_on_huge_pages([self.keys[layer], self.values[layer]])
+            place_on_huge_pages([self.keys[layer], self.values[layer]])
         self._grow_pools()
 
     def _grow_pools(self) -> None:
@@ -318,12 +306,4 @@ class PagedKVCache:
                     pools[layer] = mx.pad(pool, widths)
                     grown.append(pools[layer])
         if grown:
-            self._place_on_huge_pages(grown)
-
-    @staticmethod
-    def _place_on_huge_pages(pools: list[mx.array]) -> None:
-        # As SlotKVCache: new buffers only, where the kernel streams them faster; the pages
-        # are chosen once the memory exists, so this costs a sync per growth.
-        mx.eval(pools)
-        for pool in pools:
-            advise_huge_pages(pool)
+            place_on_huge_pages(grown)

@@ -17,10 +17,10 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .mlx_lm_adapter import StepLayerCache, mlx_lm_attention_modules, route_attention
-from .mlx_lm_prefill import layer_windows, prefill
-from .paged_attention import PagedAttention
-from .paged_kv_cache import PagedKVCache
+from ..attention.paged import PagedAttention
+from ..caches.paged_kv_cache import PagedKVCache
+from .model_adapter import mlx_lm_attention_modules, routed_forward
+from .prefill import layer_windows, prefill
 
 
 class PagedServedModel:
@@ -101,12 +101,9 @@ class PagedServedModel:
         """One batched step: int32 ``tokens [B, L]`` at positions ``seq_lens[b] ..`` -> logits
         ``[B, L, V]`` (lazy). Writes the tokens' keys/values into the requests' blocks."""
         context = self.cache.context(self.rows, seq_lens, tokens.shape[1])
-        step_caches = [
-            StepLayerCache(self.attention, context, layer, window)
-            for layer, window in enumerate(self.windows)
-        ]
-        with route_attention(self.routed_modules):
-            return self.model(tokens, cache=step_caches)
+        return routed_forward(
+            self.model, tokens, context, self.attention, self.windows, self.routed_modules
+        )
 
     def cache_arrays(self) -> list[mx.array]:
         """Every pool: evaluating them runs pending writes."""
