@@ -67,10 +67,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-import mlx_batched_decode.served_model as served_model_module
+import mlx_batched_decode.decoding.served_model as served_model_module
 from mlx_batched_decode import BatchedDecoder, _ext
-from mlx_batched_decode.progress import ProgressBar
-from mlx_batched_decode.random_model import random_model
+from mlx_batched_decode.tools.progress import ProgressBar
+from mlx_batched_decode.tools.random_model import random_model
 
 from common import machine, print_table, save
 

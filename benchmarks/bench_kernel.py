@@ -28,7 +28,8 @@ median of its N values (peers: first round).
     python benchmarks/bench_kernel.py --quick    # Llama-3-8B heads, B=8 512-2048, 3 dtypes (under a minute)
     python benchmarks/bench_kernel.py            # full matrix (long)
 
-Issue 18's targets (both page sizes against the same probe) are bench_pages.py's table.
+The page-size targets on the Intel Xeon target machine (both page sizes against the same probe)
+are bench_pages.py's table.
 """
 
 import argparse

@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_batched_decode import BatchedDecoder, _ext
-from mlx_batched_decode.random_model import random_model
+from mlx_batched_decode.tools.random_model import random_model
 
 from bench_decode import CONFIG
 from common import machine, print_table, save

@@ -1,6 +1,7 @@
-"""Page-size benchmark, and the table of issue 18's targets: the kernel on K/V kept on transparent
-huge pages (as SlotKVCache keeps them on Linux) vs the same kind of K/V on MLX's default 4 KiB
-pages, both against the native read-bandwidth probe (common.ReadBandwidth, on huge pages).
+"""Page-size benchmark, and the target table of the Intel Xeon target machine: the kernel on K/V
+kept on transparent huge pages (as SlotKVCache keeps them on Linux) vs the same kind of K/V on
+MLX's default 4 KiB pages, both against the native read-bandwidth probe (common.ReadBandwidth,
+on huge pages).
 
 Both copies and the probe are timed in turns in one process, so the machine's drifting memory
 speed hits them alike. Each copy cycles through enough distinct K/V buffers that the bytes read

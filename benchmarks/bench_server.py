@@ -2,7 +2,7 @@
 
 Both servers (``python -m mlx_lm server`` and ``python -m mlx_batched_decode.serve``, same
 arguments) serve the same random-weight model, written once to a temporary folder with mlx-lm's
-own save functions and a word-level tokenizer (``mlx_batched_decode.model_folder``), on
+own save functions and a word-level tokenizer (``mlx_batched_decode.tools.model_folder``), on
 127.0.0.1 on a free port, one server at a time. N clients each send one streaming greedy
 ``/v1/completions`` request at the same moment, with a prompt of 1-2k tokens (seeded random
 words: one word is one token) and the same ``--max-tokens``; the server's batched path
@@ -43,8 +43,8 @@ import threading
 import time
 from pathlib import Path
 
-from mlx_batched_decode.local_server import running_server
-from mlx_batched_decode.model_folder import SPECIAL_TOKENS, save_model_folder, word
+from mlx_batched_decode.tools.local_server import running_server
+from mlx_batched_decode.tools.model_folder import SPECIAL_TOKENS, save_model_folder, word
 
 from common import machine, print_table, save
 

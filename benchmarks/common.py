@@ -79,8 +79,8 @@ class ReadBandwidth:
 
 class NumpyReadBandwidth:
     """The former probe, kept as a second column: all cores running numpy.sum over disjoint slices
-    of a float64 array. On CPUs where that sum is bound by arithmetic (the Xeon of issue 18) it
-    reads below the memory's rate, so it is no yardstick on its own."""
+    of a float64 array. On CPUs where that sum is bound by arithmetic (the Intel Xeon target
+    machine) it reads below the memory's rate, so it is no yardstick on its own."""
 
     def __init__(self, nbytes=1 << 29, threads=None):
         self.nbytes = nbytes

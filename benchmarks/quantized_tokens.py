@@ -24,13 +24,13 @@ import sys
 import mlx.core as mx
 
 from mlx_batched_decode import BatchedDecoder
-from mlx_batched_decode.random_model import random_model
+from mlx_batched_decode.tools.random_model import random_model
 
 from common import describe_machine, machine, print_table, save
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
-from mlx_lm_models import mlx_lm_greedy, random_prompts  # noqa: E402
-from test_decoder import FAMILIES  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root, for tests.*
+from tests.decoding.test_decoder import FAMILIES  # noqa: E402
+from tests.support.mlx_lm_models import mlx_lm_greedy, random_prompts  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

@@ -12,10 +12,10 @@ import dataclasses
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root, for tests.*
 
 from common import machine, save  # noqa: E402
-from server_sim import Server, SoakConfig  # noqa: E402
+from tests.support.server_sim import Server, SoakConfig  # noqa: E402
 
 
 def main():

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from mlx_batched_decode.progress import ProgressBar  # noqa: E402
-from mlx_batched_decode.random_model import random_model  # noqa: E402
+from mlx_batched_decode.tools.progress import ProgressBar  # noqa: E402
+from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 
 
 def _run_main(*args):

@@ -12,45 +12,30 @@ through it with continuous batching and, given a draft model, speculatively.
 
 import mlx.core  # noqa: F401  registers MLX's types before the extension loads
 
-from . import _ext
-from ._ext import (
-    advise_huge_pages,
-    batched_decode_attention,
-    metal_backend,
-    metal_source,
-    paged_decode_attention,
-    quantized_batched_decode_attention,
-    reference_attention,
-    reference_paged_attention,
-)
+from . import _ext, ops
+from .ops import *  # noqa: F403  the fused ops and their references: ops.__all__
 
 # A malformed MBD_CPU_SPIN_US is refused here, not inside the first kernel call.
 _ext.cpu_spin_us()
 
-__all__ = [
-    "advise_huge_pages",
-    "batched_decode_attention",
-    "metal_backend",
-    "metal_source",
-    "paged_decode_attention",
-    "quantized_batched_decode_attention",
-    "reference_attention",
-    "reference_paged_attention",
-]
+__all__ = list(ops.__all__)
 
-# The decode layer (issue 4): per-step context, KV caches, attention paths, mlx-lm adapter,
-# speculative decoding.
-# None of these imports mlx-lm at import time; it is needed only to run a BatchedDecoder.
-from .attention import DecodeAttention, QuantizedSlotAttention, SeedAttention, SlotAttention
-from .block_allocator import BlockAllocator, BlockBudgetError
-from .context import BatchedDecodeContext
-from .decoder import BatchedDecoder, DecodeStats, StepResult
-from .kv_cache import ContiguousKVCache, SlotKVCache
-from .paged_attention import PagedAttention
-from .paged_context import PagedDecodeContext
-from .paged_kv_cache import PagedKVCache
-from .quantized_kv_cache import QuantizedSlotKVCache
-from .sampling import Sampler
+# The decode layer: per-step contexts, KV caches, attention paths, the decoder over mlx-lm
+# models, speculative decoding. None of these imports mlx-lm at import time; it is needed only
+# to run a BatchedDecoder.
+from .attention.base import DecodeAttention
+from .attention.paged import PagedAttention
+from .attention.seed import SeedAttention
+from .attention.slot import QuantizedSlotAttention, SlotAttention
+from .caches.block_allocator import BlockAllocator, BlockBudgetError
+from .caches.context import BatchedDecodeContext
+from .caches.kv_cache import ContiguousKVCache, SlotKVCache
+from .caches.paged_context import PagedDecodeContext
+from .caches.paged_kv_cache import PagedKVCache
+from .caches.quantized_kv_cache import QuantizedSlotKVCache
+from .decoding.decode_stats import DecodeStats
+from .decoding.decoder import BatchedDecoder, StepResult
+from .decoding.sampling import Sampler
 
 __all__ += [
     "BatchedDecodeContext",

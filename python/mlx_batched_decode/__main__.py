@@ -122,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from .decoder import BatchedDecoder
-    from .random_model import random_model
-    from .tensor_parallel import all_reduce_seconds, shard
+    from .decoding.decoder import BatchedDecoder
+    from .integrations.tensor_parallel import all_reduce_seconds, shard
+    from .tools.random_model import random_model
 
     group = mx.distributed.init() if args.tensor_parallel else None
     if group is not None and group.size() < 2:

@@ -23,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..support.repo import REPO
 from .prepass import prepass
 
 HARNESS = Path(__file__).resolve().parent
-REPO = HARNESS.parents[1]
 KERNEL_DIR = REPO / "csrc" / "kernels"
 CACHE = Path(os.environ.get("MLX_BATCHED_DECODE_EMU_CACHE", Path(tempfile.gettempdir()) / "mlx_batched_decode_emu"))
 

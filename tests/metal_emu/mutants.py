@@ -64,7 +64,7 @@ MUTATIONS = {
         "const bool has_keys = row_lo[r] < row_hi[r] &&",
         "const bool has_keys = true ||",
     ),
-    # Paged row source (tests/test_metal_paged_mutations.py): a table entry outside the
+    # Paged row source (tests/kernels/metal/test_metal_paged_mutations.py): a table entry outside the
     # pool, inside the length, is dereferenced.
     "paged_entry_above_pool_read": (
         "if (page < 0 || page >= p.num_blocks) {",
@@ -87,10 +87,10 @@ MUTATIONS = {
 }
 
 
-# Mutations of the paged row source, run on paged cases (tests/test_metal_paged_mutations.py).
+# Mutations of the paged row source, run on paged cases (tests/kernels/metal/test_metal_paged_mutations.py).
 PAGED_ONLY = {"paged_entry_above_pool_read", "paged_out_of_pool_row_read", "paged_row_without_keys_not_zeroed"}
 
-# Caught by the AddressSanitizer + UBSan build only (tests/test_metal_sanitizers.py):
+# Caught by the AddressSanitizer + UBSan build only (tests/kernels/metal/test_metal_sanitizers.py):
 # on x86 a misaligned vector load reads the right bytes.
 SANITIZER_ONLY = {"vector_loads_whatever_the_alignment"}
 

@@ -1,0 +1,75 @@
+"""``DecodeAttention``: the interface of every decode attention path (see the package docstring).
+
+Shapes use the dimension legend of the package docstring (``mlx_batched_decode.attention``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple, Optional
+
+import mlx.core as mx
+
+from ..caches.context import BatchedDecodeContext
+
+
+class AttendOptions(NamedTuple):
+    """What ``DecodeAttention.attend`` takes besides the arrays, named as the fused ops name it
+    (``**options._asdict()`` passes it on)."""
+
+    scale: Optional[float] = None
+    window: Optional[int] = None
+    sinks: Optional[mx.array] = None
+
+
+class DecodeAttention(ABC):
+    """A decode attention path: ``update`` writes the step's new K/V into the layer's cache and
+    returns what attention reads, ``attend`` computes attention over it."""
+
+    @abstractmethod
+    def update(
+        self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """New ``[B, H_kv, L, D]`` keys/values -> the ``[B, H_kv, T, D]`` keys/values to attend
+        (on the quantized path, their ``(packed, scales, biases)`` triples)."""
+
+    def attend(
+        self,
+        context: BatchedDecodeContext,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        scale: Optional[float] = None,
+        window: Optional[int] = None,
+        sinks: Optional[mx.array] = None,
+    ) -> mx.array:
+        """``queries [B, H_q, L, D]`` over what ``update`` returned -> ``[B, H_q, L, D]``;
+        ``window`` (int >= 1) bounds each row to its last keys, ``sinks`` is ``[H_q]`` float."""
+        return self._attend(context, queries, keys, values, AttendOptions(scale, window, sinks))
+
+    @abstractmethod
+    def _attend(
+        self,
+        context: BatchedDecodeContext,
+        queries: mx.array,
+        keys: Any,
+        values: Any,
+        options: AttendOptions,
+    ) -> mx.array:
+        """This path's ``attend``: the options in one tuple, as the fused ops take them."""
+
+    def __call__(
+        self,
+        context: BatchedDecodeContext,
+        layer: int,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        **options: Any,
+    ) -> mx.array:
+        """One layer's decode attention: ``queries [B, H_q, L, D]``, new ``keys``/``values``
+        ``[B, H_kv, L, D]`` (RoPE already applied) -> ``[B, H_q, L, D]``; ``options`` are
+        ``attend``'s keywords (``scale``, ``window``, ``sinks``)."""
+        all_keys, all_values = self.update(context, layer, keys, values)
+        return self.attend(context, queries, all_keys, all_values, **options)

@@ -1,0 +1,8 @@
+"""Key/value caches and the per-step decode contexts that index them.
+
+``context`` (``BatchedDecodeContext``, the arrays a decode step derives from ``seq_lens`` once),
+``kv_cache`` (``ContiguousKVCache`` per request, ``SlotKVCache`` per batch),
+``quantized_kv_cache`` (``QuantizedSlotKVCache``), ``paged_context`` / ``paged_kv_cache`` /
+``block_allocator`` / ``prefix_hashes`` (the paged layout) and ``buffers`` (how the slot caches
+grow and where their memory lives). Caches import only ``ops`` below them.
+"""

@@ -1,0 +1,49 @@
+"""How slot-cache buffers grow and where their memory lives, shared by every cache kind."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import mlx.core as mx
+
+from ..ops import advise_huge_pages
+
+
+def check_step(owner: str, step: int) -> int:
+    """``step``, the positions a cache grows by, or ValueError ``[owner] ...`` unless >= 1."""
+    if step < 1:
+        raise ValueError(f"[{owner}] step must be >= 1, got {step}")
+    return step
+
+
+def round_up(n: int, step: int) -> int:
+    """``n`` rounded up to a multiple of ``step``."""
+    return -(-n // step) * step
+
+
+def slot_growth(
+    slots: int, length: int, current_slots: int, current_capacity: int, step: int
+) -> Optional[list[tuple[int, int]]]:
+    """The ``mx.pad`` widths that grow ``[S, H_kv, capacity, *]`` buffers to hold ``slots``
+    slots of ``length`` positions, or ``None`` when they already do.
+
+    Slots at least double, so admitting B requests one by one copies the buffers O(log B)
+    times, not B times; positions grow by whole chunks of ``step``.
+    """
+    if length <= current_capacity and slots <= current_slots:
+        return None
+    new_slots = max(slots, 2 * current_slots) if slots > current_slots else current_slots
+    new_capacity = max(round_up(length, step), current_capacity)
+    return [(0, new_slots - current_slots), (0, 0), (0, new_capacity - current_capacity), (0, 0)]
+
+
+def place_on_huge_pages(buffers: Iterable[mx.array]) -> None:
+    """Put new cache buffers on transparent huge pages, where the kernel streams them faster.
+
+    New buffers only: the in-place writes of later steps keep the memory, and with it the pages.
+    The pages are chosen once the memory exists, so this costs a sync per growth.
+    """
+    buffers = list(buffers)
+    mx.eval(buffers)
+    for buffer in buffers:
+        advise_huge_pages(buffer)

@@ -1,0 +1,110 @@
+"""One mlx-lm model as ``BatchedDecoder(kv_layout="paged")`` runs it: keys/values in block pools.
+
+The counterpart of ``ServedModel`` for the paged layout: every request's keys/values live in
+the blocks of one ``PagedKVCache`` shared by all layers, a decode step's block tables and write
+slots are built once (``PagedDecodeContext``) and every layer attends with
+``paged_decode_attention``. A request whose prompt starts with cached blocks takes them and
+prefills only the rest of its prompt, with the cached prefix as the context of that prefill.
+
+Dimension legend: B = requests in the step, L = new tokens per request in the step,
+V = vocabulary size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..attention.paged import PagedAttention
+from ..caches.paged_kv_cache import PagedKVCache
+from .model_adapter import mlx_lm_attention_modules, routed_forward
+from .prefill import layer_windows, prefill
+
+
+class PagedServedModel:
+    """An mlx-lm model decoding from a ``PagedKVCache``; row ``b`` of a step is ``rows[b]``.
+
+    Args:
+        model: the mlx-lm model.
+        block_size: positions per block.
+        prefix_sharing: reuse cached prompt blocks (not for models with sliding-window layers:
+            their prefill keeps only the last window of keys, so the blocks it leaves are not
+            whole prefixes).
+        max_blocks: the block budget of the pools (``None``: unbounded).
+        max_cached_blocks: the most unreferenced prompt blocks kept for later requests.
+        prefill_step_size: prompt tokens per prefill forward pass.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        block_size: int,
+        prefix_sharing: bool,
+        max_blocks: Optional[int],
+        max_cached_blocks: int,
+        prefill_step_size: int,
+    ):
+        self.model = model
+        self.prefill_step_size = prefill_step_size
+        self.attention = PagedAttention()
+        self.routed_modules = mlx_lm_attention_modules(model)
+        self.windows = layer_windows(model)
+        if prefix_sharing and any(w is not None for w in self.windows):
+            raise ValueError(
+                "[BatchedDecoder] prefix_sharing=True needs full-attention layers only: this "
+                "model has sliding-window layers (pass prefix_sharing=False)"
+            )
+        self.cache = PagedKVCache(
+            len(self.windows),
+            block_size=block_size,
+            max_blocks=max_blocks,
+            max_cached_blocks=max_cached_blocks,
+            prefix_sharing=prefix_sharing,
+        )
+        # rows[b]: the request id decoding in row b of every step.
+        self.rows: list[int] = []
+
+    def admit(self, uid: int, prompt: Sequence[int], total_len: int) -> Optional[int]:
+        """Prefill ``prompt`` (token ids, may be empty) for request ``uid`` into the next row,
+        reserving blocks for ``total_len`` positions in all.
+
+        Returns how many leading prompt tokens came from cached blocks (not prefilled), or
+        ``None`` when the block budget cannot hold the request now (nothing done).
+        """
+        prompt = list(prompt)
+        hit = self.cache.admit(uid, prompt, total_len)
+        if hit is None:
+            return None
+        if hit < len(prompt):
+            prefix = self.cache.prefix_keys_values(uid, hit) if hit else None
+            layers_kv = prefill(self.model, prompt[hit:], self.prefill_step_size, prefix)
+            self.cache.write_prompt(
+                uid, hit, [(k[:, :, hit:], v[:, :, hit:]) for k, v in layers_kv]
+            )
+        self.cache.register_prompt(uid, prompt)
+        # Evaluate the writes now: prefill time stays out of the next step's time.
+        mx.eval(self.cache_arrays())
+        self.rows.append(uid)
+        return hit
+
+    def release(self, row: int, last: int) -> None:
+        """Request of row ``row`` leaves (its blocks go back); row ``last``'s request moves
+        there, so the active requests fill rows ``0..B-1``. No keys/values move."""
+        self.cache.free(self.rows[row])
+        self.rows[row] = self.rows[last]
+        self.rows.pop()
+
+    def forward(self, tokens: mx.array, seq_lens: Sequence[int]) -> mx.array:
+        """One batched step: int32 ``tokens [B, L]`` at positions ``seq_lens[b] ..`` -> logits
+        ``[B, L, V]`` (lazy). Writes the tokens' keys/values into the requests' blocks."""
+        context = self.cache.context(self.rows, seq_lens, tokens.shape[1])
+        return routed_forward(
+            self.model, tokens, context, self.attention, self.windows, self.routed_modules
+        )
+
+    def cache_arrays(self) -> list[mx.array]:
+        """Every pool: evaluating them runs pending writes."""
+        return [a for a in self.cache.keys + self.cache.values if a is not None]

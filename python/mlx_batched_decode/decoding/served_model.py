@@ -1,0 +1,160 @@
+"""One mlx-lm model as ``BatchedDecoder`` runs it: prefill, batched forward passes, the K/V rows.
+
+A ``ServedModel`` holds what decoding one model needs besides the scheduler: the Python modules
+whose attention is routed, each layer's window (from mlx-lm's own caches), and the keys/values
+of every active request, one row per request in the scheduler's order: one ``SlotKVCache`` per
+layer on the zero-copy path (a ``QuantizedSlotKVCache`` with ``kv_bits``), or one
+``ContiguousKVCache`` per request and layer on the seed path.
+``BatchedDecoder`` serves its target model, and its draft model when it decodes speculatively,
+each through one of these.
+
+Dimension legend: B = requests in the step, L = new tokens per request in the step,
+V = vocabulary size.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..attention.base import DecodeAttention
+from ..attention.seed import SeedAttention
+from ..attention.slot import QuantizedSlotAttention, SlotAttention
+from ..caches.context import BatchedDecodeContext
+from ..caches.kv_cache import ContiguousKVCache, SlotKVCache
+from ..caches.quantized_kv_cache import QuantizedSlotKVCache
+from .model_adapter import mlx_lm_attention_modules, routed_forward
+from .prefill import layer_windows, prefill, prompt_caches
+
+
+class ServedModel:
+    """An mlx-lm model, its attention routed to ``attention`` (``"slot"`` or ``"seed"``); with
+    ``kv_bits`` (``"slot"`` only) its keys and values are kept quantized, ``kv_bits`` bits per
+    element in groups of ``kv_group_size``, in mlx-lm's ``QuantizedKVCache`` format.
+
+    Raises ``ValueError`` for models it cannot serve: attention that does not go through
+    mlx-lm's ``scaled_dot_product_attention``, layers whose cache is neither ``KVCache`` nor
+    a plain ``RotatingKVCache``, or a head dim that ``kv_group_size`` does not divide.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        attention: str,
+        kv_step: int,
+        prefill_step_size: int,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
+    ):
+        self.model = model
+        self.kv_step = kv_step
+        self.prefill_step_size = prefill_step_size
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
+        self.routed_modules = mlx_lm_attention_modules(model)
+        self.windows = layer_windows(model)
+        self.num_layers = len(self.windows)
+        self.slot_caches: Optional[list[Union[SlotKVCache, QuantizedSlotKVCache]]] = None
+        if kv_bits is not None:
+            self._check_group_size()
+            self.attention: DecodeAttention = QuantizedSlotAttention(kv_group_size, kv_bits)
+            self.slot_caches = [
+                QuantizedSlotKVCache(kv_group_size, kv_bits, kv_step)
+                for _ in range(self.num_layers)
+            ]
+        elif attention == "slot":
+            self.attention = SlotAttention()
+            self.slot_caches = [SlotKVCache(kv_step) for _ in range(self.num_layers)]
+        else:
+            self.attention = SeedAttention()
+        # Seed path: seed_rows[b][layer] is request b's own cache of that layer.
+        self.seed_rows: list[list[ContiguousKVCache]] = []
+
+    def _one_token(self) -> tuple[mx.array, list[Any]]:
+        """One token through mlx-lm's own caches: its logits ``[1, 1, V]`` and the caches."""
+        caches = prompt_caches(self.model)
+        return self.model(mx.zeros((1, 1), dtype=mx.int32), cache=caches), caches
+
+    def vocab_size(self) -> int:
+        """V, the logits one token gets."""
+        return self._one_token()[0].shape[-1]
+
+    def _check_group_size(self) -> None:
+        """ValueError unless ``kv_group_size`` divides every layer's key and value head dims,
+        measured with one token through mlx-lm's own caches."""
+        for layer, cache in enumerate(self._one_token()[1]):
+            for name, dim in (("key", cache.keys.shape[-1]), ("value", cache.values.shape[-1])):
+                if dim % self.kv_group_size:
+                    raise ValueError(
+                        f"[BatchedDecoder] kv_group_size {self.kv_group_size} does not divide "
+                        f"layer {layer}'s {name} head dim {dim}"
+                    )
+
+    def admit(self, row: int, prompt: Sequence[int]) -> None:
+        """Prefill ``prompt`` (token ids, may be empty) into row ``row``, the next free one."""
+        layers_kv = None
+        if prompt:
+            layers_kv = prefill(
+                self.model,
+                list(prompt),
+                self.prefill_step_size,
+                kv_bits=self.kv_bits,
+                kv_group_size=self.kv_group_size,
+            )
+        if self.slot_caches is not None:
+            if layers_kv is not None:
+                for cache, (keys, values) in zip(self.slot_caches, layers_kv):
+                    cache.write_prompt(row, keys, values)
+            written = self.slot_caches
+        else:
+            caches = [ContiguousKVCache(self.kv_step) for _ in range(self.num_layers)]
+            if layers_kv is not None:
+                for cache, (keys, values) in zip(caches, layers_kv):
+                    cache.update_and_fetch(keys, values)
+            self.seed_rows.append(caches)
+            written = caches
+        # Evaluate the copies now: prefill time stays out of the next step's time.
+        mx.eval([(c.keys, c.values) for c in written if c.keys is not None])
+
+    def release(self, row: int, last: int, length: int) -> None:
+        """Free row ``row``: the request in row ``last`` (``length`` tokens cached) moves there,
+        so the active requests always fill rows ``0..B-1``."""
+        if self.slot_caches is not None:
+            if row != last:
+                for cache in self.slot_caches:
+                    cache.move(last, row, length)
+        else:
+            self.seed_rows[row] = self.seed_rows[last]
+            self.seed_rows.pop()
+
+    def forward(self, tokens: mx.array, seq_lens: Sequence[int]) -> mx.array:
+        """One batched step: int32 ``tokens [B, L]`` at positions ``seq_lens[b] ..`` -> logits
+        ``[B, L, V]`` (lazy). Writes the tokens' keys/values into rows ``0..B-1``."""
+        batch, query_len = tokens.shape
+        if self.slot_caches is not None:
+            layer_caches = self.slot_caches
+        else:
+            layer_caches = [
+                [row[layer] for row in self.seed_rows] for layer in range(self.num_layers)
+            ]
+        context = BatchedDecodeContext(batch, seq_lens, layer_caches, query_len)
+        return routed_forward(
+            self.model, tokens, context, self.attention, self.windows, self.routed_modules
+        )
+
+    def cache_arrays(self) -> list[mx.array]:
+        """Every K/V buffer of the active requests: evaluating them runs pending writes of a
+        step whose output is never read."""
+        if self.slot_caches is not None:
+            caches = self.slot_caches
+        else:
+            caches = [c for row in self.seed_rows for c in row]
+        arrays = []
+        for c in caches:
+            if isinstance(c, QuantizedSlotKVCache):
+                arrays += c.buffers()
+            elif c.keys is not None:
+                arrays += [c.keys, c.values]
+        return arrays

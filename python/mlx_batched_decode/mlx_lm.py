@@ -1,0 +1,30 @@
+"""The mlx-lm plug-in: mlx-lm's own batched generation decodes through ``batched_decode_attention``.
+
+::
+
+    import mlx_batched_decode.mlx_lm
+    mlx_batched_decode.mlx_lm.enable()   # or: with mlx_batched_decode.mlx_lm.enabled(): ...
+    # batch_generate, BatchGenerator and mlx_lm.server's batched path now decode with the fused op
+
+While enabled, the attention of every decode step of mlx-lm's batched generation (one new token
+per request on a left-padded ``BatchKVCache``) runs through ``batched_decode_attention`` with
+``kv_starts`` = the cache's left padding: no mask is read or computed, no padding is read.
+``BatchRotatingKVCache`` (sliding-window) layers are served the same way until their ring wraps,
+then stay on mlx-lm's path; prefill, every other cache kind and everything outside attention run
+mlx-lm's code unchanged (``routing`` says why for each). No file of mlx-lm is edited: ``enable()``
+replaces a function and two methods in memory, ``disable()`` restores them (``patches``).
+``stats()`` counts the attention calls by where they ran. mlx-lm 0.32.2 is required.
+The plug-in's code lives in ``mlx_batched_decode.integrations.mlx_lm``.
+"""
+
+from .integrations.mlx_lm import (
+    MLX_LM_VERSION,
+    PluginStats,
+    disable,
+    enable,
+    enabled,
+    is_enabled,
+    stats,
+)
+
+__all__ = ["MLX_LM_VERSION", "PluginStats", "disable", "enable", "enabled", "is_enabled", "stats"]

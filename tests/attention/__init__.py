@@ -1,0 +1,1 @@
+"""``mlx_batched_decode.attention``: the decode attention paths."""

@@ -1,0 +1,1 @@
+"""``mlx_batched_decode.decoding``: BatchedDecoder over mlx-lm models, speculative decoding."""

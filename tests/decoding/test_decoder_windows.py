@@ -1,0 +1,199 @@
+"""BatchedDecoder on models with sliding-window layers, attention sinks and any head dim: greedy
+tokens equal mlx-lm's own single-request decode, with prompts and generations crossing the window.
+"""
+
+import mlx.core as mx
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
+
+import mlx_batched_decode  # noqa: E402
+from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.decoding.prefill import layer_windows, prefill  # noqa: E402
+from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
+from tests.support.mlx_lm_models import GPT_OSS, VOCAB, WINDOW, mlx_lm_greedy, random_prompts  # noqa: E402
+
+# Each family with its own way of choosing windowed layers; small odd shapes.
+FAMILIES = {
+    "gpt_oss": GPT_OSS,
+    # Two sliding layers, then a global one; D = 256; query scale 64 ** -0.5, not D ** -0.5.
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        head_dim=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        query_pre_attn_scalar=64,
+        sliding_window=WINDOW,
+        sliding_window_pattern=3,
+        vocab_size=VOCAB,
+        rms_norm_eps=1e-6,
+    ),
+    # Llama with layer_types and sliding_window set; head dim 32.
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=WINDOW,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    ),
+    # Ministral 3 (per-position query scale), full layer first; head dim 48.
+    "ministral3": dict(
+        model_type="ministral3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=48,
+        max_position_embeddings=4096,
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=WINDOW,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "llama_4_scaling_beta": 0.5,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+}
+EXPECTED_WINDOWS = {
+    "gpt_oss": [WINDOW, None],
+    "gemma3_text": [WINDOW, WINDOW, None],
+    "llama": [WINDOW, None],
+    "ministral3": [None, WINDOW],
+}
+# Prompts below, at and past the window; budgets that end some requests early.
+PROMPT_LENS = [1, 9, 60, 16, 17, 33, 2]
+MAX_TOKENS = [24, 24, 24, 5, 24, 1, 12]
+
+
+def build(family, seed=1):
+    model = random_model(FAMILIES[family], seed=seed)
+    if family == "gpt_oss":
+        # mlx-lm starts sinks at zero; trained ones are not, and differ per head.
+        for layer in model.layers:
+            layer.self_attn.sinks = 2.0 * mx.random.normal(layer.self_attn.sinks.shape)
+        mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {family: build(family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def references(models):
+    prompts = random_prompts(PROMPT_LENS)
+    return {
+        family: [mlx_lm_greedy(model, p, n) for p, n in zip(prompts, MAX_TOKENS)]
+        for family, model in models.items()
+    }
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_layer_windows_follow_mlx_lm_caches(models, family):
+    assert layer_windows(models[family]) == EXPECTED_WINDOWS[family]
+
+
+@pytest.mark.parametrize("path", ["slot", "seed"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_matches_mlx_lm_across_the_window(models, references, family, path):
+    # 7 requests, at most 3 at once: requests join as others finish, several of them early.
+    decoder = BatchedDecoder(models[family], attention=path, kv_step=16)
+    out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
+    assert out == references[family]
+    assert decoder.num_active == 0
+
+
+def test_chunked_prefill_keeps_what_mlx_lm_keeps(models, references):
+    """Prefill in chunks of 7 and of 1 (a rotating cache then wraps around in place)."""
+    for step in (7, 1):
+        decoder = BatchedDecoder(models["gpt_oss"], kv_step=16, prefill_step_size=step)
+        out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
+        assert out == references["gpt_oss"]
+
+
+@pytest.mark.parametrize("step", [1, 7])
+def test_prefill_returns_every_layer_in_temporal_order(models, step):
+    """Windowed layers: the positions mlx-lm's rotating cache still holds equal a one-chunk
+    prefill's (which keeps them all, in order); older positions are zeros."""
+    model = models["llama"]
+    tokens = random_prompts([40], seed=3)[0]
+    whole = prefill(model, tokens, step_size=len(tokens))
+    chunked = prefill(model, tokens, step_size=step)
+    for window, (keys, values), (whole_keys, whole_values) in zip(
+        layer_windows(model), chunked, whole
+    ):
+        assert keys.shape == whole_keys.shape == (1, 2, 40, 32)
+        start = 0 if window is None else 40 - window
+        assert mx.allclose(keys[:, :, start:], whole_keys[:, :, start:], atol=1e-5).item()
+        assert mx.allclose(values[:, :, start:], whole_values[:, :, start:], atol=1e-5).item()
+        if window is not None and step == 1:
+            # One token at a time, the rotating cache holds exactly its window.
+            assert not mx.any(keys[:, :, :start]).item()
+
+
+@pytest.mark.parametrize("head_dim", [8, 32, 72, 160])
+def test_any_head_dim(head_dim):
+    config = dict(
+        FAMILIES["llama"], head_dim=head_dim, num_attention_heads=3, num_key_value_heads=1
+    )
+    model = random_model(config, seed=2)
+    prompts, budgets = random_prompts([1, 20, 5], seed=head_dim), [20, 8, 20]
+    expected = [mlx_lm_greedy(model, p, n) for p, n in zip(prompts, budgets)]
+    decoder = BatchedDecoder(model, kv_step=16)
+    assert decoder.generate(prompts, budgets, max_batch_size=2) == expected
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text"])
+def test_each_layer_gets_its_window_sinks_and_scale(models, family, monkeypatch):
+    model = models[family]
+    calls = []
+    real_op = mlx_batched_decode.batched_decode_attention
+
+    def spy(queries, keys, values, lens, **kwargs):
+        calls.append(kwargs)
+        return real_op(queries, keys, values, lens, **kwargs)
+
+    decoder = BatchedDecoder(model)
+    for prompt in random_prompts([30, 3]):
+        decoder.add_request(prompt, 4)
+    monkeypatch.setattr(mlx_batched_decode, "batched_decode_attention", spy)
+    decoder.step()
+    assert [c["window"] for c in calls] == EXPECTED_WINDOWS[family]
+    if family == "gpt_oss":
+        assert all(c["sinks"] is layer.self_attn.sinks for c, layer in zip(calls, model.layers))
+        assert all(c["scale"] == 64**-0.5 for c in calls)
+    else:
+        # Gemma 3 scales queries by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5.
+        assert all(c["sinks"] is None and c["scale"] == 64**-0.5 for c in calls)
+
+
+def test_mask_narrower_than_the_cache_window_is_refused(models, monkeypatch):
+    """A model that masks a layer to fewer keys than its rotating cache holds cannot be served."""
+    model = models["llama"]
+    monkeypatch.setattr(
+        model, "make_cache", lambda: [RotatingKVCache(max_size=2 * WINDOW), KVCache()]
+    )
+    decoder = BatchedDecoder(model)
+    decoder.add_request([1, 2, 3], 4)
+    with pytest.raises(
+        ValueError, match=r"^\[BatchedDecoder\] the model masks layer 0 to a window"
+    ):
+        decoder.step()

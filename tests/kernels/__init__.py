@@ -1,0 +1,1 @@
+"""Kernel tests, by backend: ``cpu`` (the C++ kernel) and ``metal`` (emulated, or on a GPU)."""

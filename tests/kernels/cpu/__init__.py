@@ -1,0 +1,1 @@
+"""The C++ CPU kernel: tiles, ISA variants, threads, huge pages, sanitizers."""

@@ -1,0 +1,113 @@
+"""The AVX512-FP16 CPU kernel variant (rows of every dtype on 16-lane float32 vectors) against the
+float64 reference, forced with set_cpu_isa. On a CPU (or build) without it every test here is skipped, and
+says so; the contract test at the end runs on every variant this machine has."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_batched_decode as mbd
+from tests.support.numerics import TOLERANCE, max_abs_error, numpy_reference
+from tests.ops.test_decode_shapes import LENGTHS, options, shape_case
+
+_ext = mbd._ext
+VARIANT = "avx512fp16"
+needs_variant = pytest.mark.skipif(
+    VARIANT not in _ext.cpu_isas(), reason=f"this build or CPU has no {VARIANT} variant (cpu_isas: {_ext.cpu_isas()})"
+)
+
+
+def _forced(isa):
+    previous = _ext.cpu_isa()
+    _ext.set_cpu_isa(isa)
+    return previous
+
+
+@pytest.fixture
+def fp16_variant():
+    previous = _forced(VARIANT)
+    yield
+    _ext.set_cpu_isa(previous)
+
+
+DTYPES = [mx.float16, mx.bfloat16, mx.float32]
+
+
+@needs_variant
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [1, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 200, 256, 512])
+@pytest.mark.parametrize("G", [1, 2, 3, 4, 8])
+def test_head_dims_and_groups(fp16_variant, dtype, D, G):
+    # Every tile height the variant picks (4, 2, 1 query rows), fast and generic head dims.
+    q, k, v, k_nan, v_nan = shape_case(dtype, D, G, 1, None, None, seed=D * 10 + G)
+    before = _ext.cpu_kernel_calls()
+    out = _ext.batched_decode_attention(q, k_nan, v_nan, mx.array(LENGTHS))
+    mx.eval(out)
+    assert _ext.cpu_isa() == VARIANT and _ext.cpu_kernel_calls() == before + 1
+    assert max_abs_error(out, numpy_reference(q, k, v, LENGTHS)) < TOLERANCE[dtype]
+
+
+@needs_variant
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L", [1, 3, 4, 8])
+@pytest.mark.parametrize("case", range(7))
+def test_rows_starts_windows_sinks(fp16_variant, dtype, L, case):
+    # Blocks cut by a row's range take the masked accumulation; NaN / inf where no row reads.
+    starts, window, sinks = options(4)[case]
+    q, k, v, k_nan, v_nan = shape_case(dtype, 128, 4, L, window, starts, seed=case * 8 + L)
+    out = _ext.batched_decode_attention(
+        q, k_nan, v_nan, mx.array(LENGTHS), kv_starts=None if starts is None else mx.array(starts), window=window,
+        sinks=sinks,
+    )
+    expected = numpy_reference(q, k, v, LENGTHS, kv_starts=starts, window=window, sinks=sinks)
+    assert max_abs_error(out, expected) < TOLERANCE[dtype]
+
+
+@needs_variant
+def test_long_requests_split_into_chunks(fp16_variant):
+    # Several 512-key chunks per request, merged; strided (sliced) K/V read in place.
+    rng = np.random.default_rng(5)
+    B, H_kv, G, T, D = 3, 2, 4, 1500, 128
+    q = mx.array(rng.standard_normal((B, H_kv * G, 1, D)).astype(np.float32)).astype(mx.float16)
+    cache = mx.array(rng.standard_normal((B, H_kv, T + 100, D)).astype(np.float32)).astype(mx.float16)
+    k, v = cache[:, :, :T], cache[:, :, 50 : T + 50]
+    lens = [1500, 1025, 700]
+    out = _ext.batched_decode_attention(q, k, v, mx.array(lens))
+    assert max_abs_error(out, numpy_reference(q, k, v, lens)) < TOLERANCE[mx.float16]
+
+
+@needs_variant
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_agrees_with_the_8_lane_kernel(fp16_variant, dtype):
+    # Same float32 arithmetic in another order: the two differ by output rounding only.
+    q, k, v, _, _ = shape_case(dtype, 128, 4, 1, None, None, seed=3)
+    wide = _ext.batched_decode_attention(q, k, v, mx.array(LENGTHS))
+    _ext.set_cpu_isa("avx2")
+    narrow = _ext.batched_decode_attention(q, k, v, mx.array(LENGTHS))
+    diff = mx.abs(wide.astype(mx.float32) - narrow.astype(mx.float32)).max().item()
+    # A few units in the last place of outputs below 1 (float16 2^-11, bfloat16 2^-8).
+    assert diff <= {mx.float16: 2.0**-9, mx.bfloat16: 2.0**-7, mx.float32: 2.0**-20}[dtype]
+
+
+@pytest.mark.parametrize("isa", _ext.cpu_isas())
+def test_float16_scores_accumulate_in_float32(isa):
+    """Two keys whose scores, 128 and 128 + 2^-6, differ below float16's spacing at 128 (0.125):
+    summed in float32 the second weighs sigmoid(2^-6) = 0.50390625 (float16-exact) of the output;
+    summed in float16 the two would tie at 0.5. Every variant, forced in turn."""
+    D = 128
+    q = mx.ones((1, 4, 1, D), mx.float16)
+    k = np.ones((1, 1, 2, D), np.float32)
+    k[0, 0, 1, 5] = 1 + 2.0**-6
+    v = np.zeros((1, 1, 2, D), np.float32)
+    v[0, 0, 1] = 1.0
+    previous = _forced(isa)
+    try:
+        out = _ext.batched_decode_attention(
+            q, mx.array(k).astype(mx.float16), mx.array(v).astype(mx.float16), mx.array([2]), scale=1.0
+        )
+        got = np.array(out.astype(mx.float32))
+    finally:
+        _ext.set_cpu_isa(previous)
+    expected = np.float16(1 / (1 + np.exp(-(2.0**-6))))
+    assert expected == np.float16(0.50390625)
+    assert np.all(got == expected), got[0, :, 0, :4]

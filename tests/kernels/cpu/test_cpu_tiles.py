@@ -1,0 +1,128 @@
+"""The CPU kernel's AMX tile path (float16 and bfloat16 work items with many query rows)
+against float64, on CPUs that have AMX; skipped, with the reason, elsewhere.
+
+Dimensions: B requests, H_q/H_kv query/KV heads, G = H_q / H_kv, L query rows, T positions,
+D head dim. A work item has R = G * L query rows; the tiles take float16 items with R >= 12
+and bfloat16 items with R >= 8, in groups of 16 rows.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_batched_decode as mbd
+from tests.support.numerics import TOLERANCE, dtype_id, max_abs_error, numpy_reference
+from tests.ops.test_decode_shapes import LENGTHS, STARTS, T, shape_case
+
+pytestmark = pytest.mark.skipif(
+    "amx" not in mbd._ext.cpu_isas(), reason="this CPU (or OS) offers no AMX tiles"
+)
+DTYPES = [mx.float16, mx.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def amx_variant():
+    previous = mbd._ext.cpu_isa()
+    mbd._ext.set_cpu_isa("amx")
+    yield
+    mbd._ext.set_cpu_isa(previous)
+
+
+def tile_blocks_of(fn):
+    """(fn's result, the blocks it computed on tiles)."""
+    start = mbd._ext.cpu_tile_blocks()
+    out = fn()
+    mx.eval(out)
+    return out, mbd._ext.cpu_tile_blocks() - start
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [1, 24, 32, 80, 112, 128, 192, 512])
+@pytest.mark.parametrize("G,L", [(4, 3), (4, 4), (2, 10), (8, 5), (1, 12)])
+def test_matches_float64(dtype, D, G, L):
+    sinks = mx.array(np.linspace(-1.0, 2.0, 2 * G).astype(np.float32))
+    for starts, window in ((None, None), (STARTS, 6), (None, 100)):
+        q, k, v, k_nan, v_nan = shape_case(dtype, D, G, L, window, starts, seed=D + G + L)
+        out, blocks = tile_blocks_of(
+            lambda: mbd.batched_decode_attention(
+                q, k_nan, v_nan, mx.array(LENGTHS),
+                kv_starts=None if starts is None else mx.array(starts), window=window, sinks=sinks,
+            )
+        )
+        assert blocks > 0, "the tile path did not run"
+        expected = numpy_reference(q, k, v, LENGTHS, kv_starts=starts, window=window, sinks=sinks)
+        assert max_abs_error(out, expected) < TOLERANCE[dtype], (starts, window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_long_requests_and_layouts(dtype):
+    # Several 512-key items per request, lengths not a multiple of the 32-key block, and the
+    # cache read through a prefix view, a [B, T, H_kv, D] transpose, a strided last axis and a
+    # negative position stride.
+    rng = np.random.default_rng(4)
+    B, H_kv, G, L, D, cap = 3, 2, 4, 4, 128, 1200
+    q = mx.array(rng.standard_normal((B, H_kv * G, L, D)).astype(np.float32)).astype(dtype)
+    k = mx.array(rng.standard_normal((B, H_kv, cap, D)).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.standard_normal((B, H_kv, cap, D)).astype(np.float32)).astype(dtype)
+    lens, starts = [1100, 530, 77], [0, 3, 70]
+    layouts = {
+        "prefix view": (k[:, :, :1101], v[:, :, :1101]),
+        "transposed": tuple(
+            mx.contiguous(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)[:, :, :1101] for x in (k, v)
+        ),
+        "strided last axis": tuple(mx.repeat(x, 2, axis=-1)[..., ::2][:, :, :1101] for x in (k, v)),
+        "positions reversed in memory": tuple(
+            mx.contiguous(x[:, :, ::-1])[:, :, ::-1][:, :, :1101] for x in (k, v)
+        ),
+    }
+    expected = numpy_reference(q, k[:, :, :1101], v[:, :, :1101], lens, kv_starts=starts, window=700)
+    for name, (k_in, v_in) in layouts.items():
+        out, blocks = tile_blocks_of(
+            lambda: mbd.batched_decode_attention(
+                q, k_in, v_in, mx.array(lens), kv_starts=mx.array(starts), window=700
+            )
+        )
+        assert blocks > 0, name
+        assert max_abs_error(out, expected) < TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("poison", ["keys", "values", "queries"])
+def test_non_finite_blocks_leave_other_rows_alone(dtype, poison):
+    # A tile product cannot skip inf or NaN, so a block (or, for queries, an item) holding one
+    # runs on the vector path: rows that do not attend it stay exact, and the whole result
+    # equals the vector-only variant's, NaN for NaN.
+    L, G = 4, 4
+    q, k, v, _, _ = shape_case(dtype, 64, G, L, 6, None, seed=12)
+    lens = mx.array(LENGTHS)
+    position = T - L - 5  # attended by row 0 of request 0 only (window 6)
+    bad = {"keys": mx.array(k), "values": mx.array(v), "queries": mx.array(q)}[poison]
+    if poison == "queries":
+        bad[0, 1, 2, 7] = float("inf")
+    else:
+        bad[0, :, position, 3] = float("inf")
+    args = {"keys": (q, bad, v), "values": (q, k, bad), "queries": (bad, k, v)}[poison]
+    out = mbd.batched_decode_attention(*args, lens, window=6)
+    mbd._ext.set_cpu_isa("avx512bf16")
+    vector = mbd.batched_decode_attention(*args, lens, window=6)
+    mx.eval(vector)
+    mbd._ext.set_cpu_isa("amx")
+    out_np = np.array(out.astype(mx.float32))
+    vector_np = np.array(vector.astype(mx.float32))
+    assert np.array_equal(np.isnan(out_np), np.isnan(vector_np))
+    assert np.array_equal(np.isinf(out_np), np.isinf(vector_np))
+    finite = np.isfinite(vector_np)
+    assert np.abs(out_np[finite] - vector_np[finite]).max() < TOLERANCE[dtype]
+    if poison != "queries":
+        # Only row 0 of request 0 attends the poisoned key.
+        assert not np.isfinite(out_np[0, :, 0]).all()
+        assert np.isfinite(out_np[0, :, 1:]).all() and np.isfinite(out_np[1:]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_few_rows_stay_on_the_vector_path(dtype):
+    # Below the row threshold the vector path is cheaper; L = 1 with G = 4 is 4 rows.
+    q, k, v, _, _ = shape_case(dtype, 128, 4, 1, None, None, seed=1)
+    out, blocks = tile_blocks_of(lambda: mbd.batched_decode_attention(q, k, v, mx.array(LENGTHS)))
+    assert blocks == 0
+    assert max_abs_error(out, numpy_reference(q, k, v, LENGTHS)) < TOLERANCE[dtype]

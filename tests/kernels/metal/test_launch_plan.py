@@ -1,0 +1,135 @@
+"""Unit tests of the launch plan (csrc/metal/launch_plan.h), the one function the
+Metal launcher and the emulation harness both dispatch with. Called through the
+harness library, which compiles that header unchanged.
+
+Dimensions: B requests, H_q/H_kv query/KV heads, G = H_q / H_kv, L query rows
+per request, T positions, D head dim."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from tests.metal_emu.build import REPO, build_library
+from tests.metal_emu.driver import EmulatedLibrary, HarnessError
+
+DTYPES = ["float16", "bfloat16", "float32"]
+FAST_DIMS = [32, 64, 80, 96, 112, 128, 160, 192, 256, 512]
+# Head dim -> the generic kernel's bucket.
+GENERIC_DIMS = {1: 32, 24: 32, 31: 32, 33: 64, 48: 64, 100: 128, 129: 256, 200: 256, 257: 512, 300: 512, 511: 512}
+
+
+@pytest.fixture(scope="module")
+def lib() -> EmulatedLibrary:
+    return EmulatedLibrary(build_library())
+
+
+@pytest.mark.parametrize("d", FAST_DIMS + sorted(GENERIC_DIMS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_names(lib, dtype, d):
+    """Fast head dims have kernels of their own, every other D the generic kernel of its bucket."""
+    suffix = str(d) if d in FAST_DIMS else f"upto{GENERIC_DIMS[d]}"
+    single = lib.plan(64, 32, 8, 4096, d, dtype)
+    assert single["kernel"] == f"batched_decode_attention_{dtype}_{suffix}"
+    assert single["num_splits"] == 1 and single["reduce_kernel"] == ""
+    split = lib.plan(1, 32, 8, 4096, d, dtype)
+    assert split["reduce_kernel"] == f"batched_decode_attention_reduce_{dtype}_{suffix}"
+    assert split["vector_width"] == (1 if d not in FAST_DIMS else 4 if d % 128 == 0 else 2)
+
+
+@pytest.mark.parametrize("b,h_q,h_kv,t", [(1, 32, 8, 4096), (2, 8, 1, 230), (1, 1, 1, 128), (3, 64, 2, 100000)])
+def test_split_k_covers_the_sequence(lib, b, h_q, h_kv, t):
+    p = lib.plan(b, h_q, h_kv, t, 128, "float16")
+    assert p["num_splits"] > 1 and p["keys_span"] == t
+    # Every position falls in exactly one split and no split starts past T.
+    assert p["num_splits"] * p["split_len"] >= t > (p["num_splits"] - 1) * p["split_len"]
+    assert p["split_len"] >= 64 and p["num_splits"] <= 64
+    assert p["grid"] == (p["num_splits"], h_kv * p["row_chunks"], b)
+    assert p["reduce_grid"] == (1, h_q, b) and p["reduce_group"] == (128, 1, 1)
+    assert p["partial_stats_elems"] == b * h_q * p["num_splits"]
+    assert p["partial_acc_elems"] == p["partial_stats_elems"] * 128
+
+
+@pytest.mark.parametrize("t,window,rows,span", [(100000, 4096, 1, 4096), (100000, 4096, 8, 4103), (300, 4096, 2, 300),
+                                                (5000, 1, 1, 1), (5000, 100, 5, 104)])
+def test_split_k_covers_a_chunks_keys(lib, t, window, rows, span):
+    """A row chunk reads at most window + L - 1 keys: the splits cover that, not T."""
+    p = lib.plan(1, 8, 8, t, 64, "float32", rows=rows, window=window)
+    assert p["keys_span"] == span
+    assert p["num_splits"] * p["split_len"] >= span > (p["num_splits"] - 1) * p["split_len"]
+    assert p["num_splits"] == max(1, min(16 // ((rows + 7) // 8), span // 64))
+    if p["num_splits"] > 1:
+        assert p["reduce_grid"] == (rows, 8, 1)
+        assert p["partial_acc_elems"] == 8 * rows * p["num_splits"] * 64
+
+
+@pytest.mark.parametrize("b,h_kv,t", [(16, 8, 4096), (128, 1, 100000), (4, 8, 127), (1, 1, 1), (2, 1, 0)])
+def test_single_pass_when_the_grid_is_full_or_short(lib, b, h_kv, t):
+    """Enough (request, KV head) items, or too few keys to split, keep one pass."""
+    p = lib.plan(b, 4 * h_kv, h_kv, t, 64, "float32")
+    assert p["num_splits"] == 1 and p["partial_acc_elems"] == 0 and p["partial_stats_elems"] == 0
+    assert p["grid"] == (1, h_kv, b)
+
+
+@pytest.mark.parametrize(
+    "g,rows,d,per_group,chunks",
+    [(1, 1, 96, 1, 1), (8, 1, 96, 8, 1), (9, 1, 96, 8, 2), (2, 4, 96, 8, 1), (3, 5, 96, 8, 2), (32, 1, 96, 8, 4),
+     (1, 8, 256, 8, 1), (4, 2, 512, 4, 2), (2, 2, 300, 4, 1), (1, 9, 200, 8, 2), (1, 3, 1, 3, 1)])
+def test_row_chunks(lib, g, rows, d, per_group, chunks):
+    """G * L query rows per (request, KV head), at most 8 per threadgroup (4 when D > 256)."""
+    p = lib.plan(64, 2 * g, 2, 16, d, "bfloat16", rows=rows)
+    assert p["rows_per_group"] == per_group and p["row_chunks"] == chunks
+    assert p["grid"][1] == 2 * chunks
+
+
+@pytest.mark.parametrize("max_threads,group", [(32, 32), (100, 96), (256, 256), (1024, 256)])
+def test_threadgroup_follows_the_pipeline_limit(lib, max_threads, group):
+    assert lib.plan(4, 8, 2, 16, 256, "float16", max_threads)["group"] == (group, 1, 1)
+    split = lib.plan(1, 8, 2, 4096, 256, "float16", max_threads)
+    assert split["reduce_group"] == (min(256, max_threads // 32 * 32), 1, 1)
+
+
+def test_split_count_grows_as_the_batch_shrinks(lib):
+    """About 128 threadgroups in all: 8 KV heads x B requests x splits."""
+    splits = [lib.plan(b, 8, 8, 8192, 128, "float16")["num_splits"] for b in (1, 2, 4, 16)]
+    assert splits == [16, 8, 4, 1]
+
+
+@pytest.mark.parametrize(
+    "args,options,message",
+    [
+        ((1, 8, 3, 16, 128, "float16"), {}, "multiple of H_kv"),
+        ((1, 8, 2, 16, 0, "float16"), {}, "head dim 0"),
+        ((1, 8, 2, 16, 513, "float16"), {}, "head dim 513"),
+        ((0, 8, 2, 16, 128, "float16"), {}, "positive"),
+        ((1, 8, 2, 16, 128, "float16"), {"rows": 0}, "positive"),
+        ((1, 8, 2, -1, 128, "float16"), {}, "T >= 0"),
+        ((1, 8, 2, 16, 128, "float16"), {"effective": 0}, "window 0"),
+        ((1, 8, 2, 16, 128, "float16"), {"effective": 17}, "window 17"),
+        ((1, 8, 2, 16, 128, "float16"), {"rows": 2**30}, "query rows"),
+    ],
+)
+def test_invalid_shapes_raise(lib, args, options, message):
+    with pytest.raises(HarnessError, match=rf"\[batched_decode_attention\].*{message}"):
+        lib.plan(*args, **options)
+
+
+def test_too_small_thread_limit_raises(lib):
+    with pytest.raises(HarnessError, match="allows 16 threads"):
+        lib.plan(1, 8, 2, 16, 128, "float16", 16)
+
+
+def test_launcher_uses_the_plan():
+    """The Metal host code dispatches with the same plan and buffer indices."""
+    source = (REPO / "csrc" / "metal" / "decode_launch.cpp").read_text()
+    ops = (REPO / "csrc" / "metal" / "eval_gpu.cpp").read_text()
+    assert '#include "launch_plan.h"' in source
+    assert source.count("plan_for(shape, quantized)") == 2 and "make_launch_plan(shape)" in source
+    assert "make_params(" in source
+    assert "{&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS}" in source
+    assert "{&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}" in source
+    assert "vector_loads(shape, provisional, strides, offsets, paged)" in source
+    assert "effective_window(at.window, rows.T)" in ops
+    for index in ("kQueries", "kKeys", "kValues", "kValidLens", "kKvStarts", "kSinks", "kOut", "kPartialAcc",
+                  "kPartialMax", "kPartialSum", "kParams"):
+        assert f", {index})" in source

@@ -1,0 +1,155 @@
+"""The Metal source embedded in _ext (``mlx_batched_decode.metal_source()``, on
+every platform): ASCII, self-contained, instantiating every kernel the launch
+plan can ask for, the very text the emulation harness compiles and runs, and,
+per dtype and head dim, the run-time library source eval_gpu compiles where
+there is no metallib (csrc/metal/kernel_library.h).
+
+Dimensions: B requests, H_q/H_kv query/KV heads, L query rows, T positions,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import re
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.metal_emu.build import CXX, build_library, kernel_text, metal_source
+from tests.metal_emu.cases import make_case
+from tests.metal_emu.driver import EmulatedLibrary, HarnessError
+from tests.metal_emu.reference import TOLERANCE, to_float64
+from tests.metal_emu.sources import library_source
+
+mbd = pytest.importorskip("mlx_batched_decode")
+
+DTYPES = ["float16", "bfloat16", "float32"]
+_HOST_NAME = re.compile(r'host_name\(((?:\s*"[^"]*")+)\s*\)')
+
+
+@pytest.fixture(scope="module")
+def lib() -> EmulatedLibrary:
+    return EmulatedLibrary(build_library())
+
+
+@pytest.fixture(scope="module")
+def planned(lib) -> dict[tuple[str, int], tuple[str, str]]:
+    """(dtype, D) -> the main and reduce kernels the launch plan picks, for every D in 1..512."""
+    out = {}
+    for dtype, d in itertools.product(DTYPES, range(1, 513)):
+        plan = lib.plan(1, 1, 1, 4096, d, dtype)
+        out[dtype, d] = (plan["kernel"], plan["reduce_kernel"])
+    return out
+
+
+def host_names(source: str, tmp_path: Path) -> set[str]:
+    """The ``[[host_name]]``s of a Metal source once preprocessed (g++ -E, with an
+    empty <metal_stdlib> as the only header there is)."""
+    (tmp_path / "include").mkdir(exist_ok=True)
+    (tmp_path / "include" / "metal_stdlib").write_text("")
+    path = tmp_path / "source.metal"
+    path.write_text(source)
+    result = subprocess.run([CXX, "-E", "-P", "-x", "c++", f"-I{tmp_path / 'include'}", str(path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return {"".join(re.findall(r'"([^"]*)"', m.group(1))) for m in _HOST_NAME.finditer(result.stdout)}
+
+
+def test_source_is_ascii_and_self_contained():
+    text = mbd.metal_source()
+    assert text.isascii()
+    includes = re.findall(r"^[ \t]*#[ \t]*include.*$", text, re.M)
+    assert includes == ["#include <metal_stdlib>"]
+    assert "mlx/backend/metal" not in text
+
+
+def test_source_instantiates_every_planned_kernel(planned, tmp_path):
+    names = host_names(mbd.metal_source(), tmp_path)
+    quantized = {n for n in names if n.startswith("quantized_")}
+    assert names - quantized == {name for pair in planned.values() for name in pair}
+    assert len(names - quantized) == 2 * 3 * 15
+    # The quantized main kernels of every head dim a group size divides (multiples of 32),
+    # named as csrc/metal/quantized_launch_plan.h's quantized_kernel_name; their reduce is the dense one.
+    fast = {32, 64, 96, 128, 160, 192, 256, 512}
+    assert quantized == {
+        f"quantized_batched_decode_attention_{dtype}_{d if d in fast else f'upto{256 if d <= 256 else 512}'}_{bits}bit"
+        for dtype in ("float16", "bfloat16", "float32") for d in range(32, 513, 32) for bits in (4, 8)}
+
+
+def test_harness_compiles_and_runs_this_text(lib):
+    """The extension's string is the generator's output for the sources on disk
+    (a stale build fails here), and the harness library was compiled from it."""
+    assert mbd.metal_source() == kernel_text()
+    assert (build_library().parent / "source.metal").read_text() == mbd.metal_source()
+    case = make_case(np.random.default_rng(0), "bfloat16", 80, 2, 3, 30, [30, 4, 0], rows=2, window=9, sinks=True)
+    np.testing.assert_allclose(to_float64(case.run(lib), "bfloat16"), case.reference(),
+                               atol=TOLERANCE["bfloat16"], rtol=TOLERANCE["bfloat16"])
+
+
+def test_run_time_libraries_hold_the_planned_pair(lib, planned, tmp_path):
+    """Per dtype and head dim, eval_gpu's source (C++ library_source) instantiates
+    exactly that pair of kernels, as the harness's subset builds do, under a
+    name that carries the source's hash."""
+    text = mbd.metal_source()
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    names = set()
+    for (dtype, d), (kernel, reduce) in planned.items():
+        if d > 1 and planned[dtype, d - 1] == (kernel, reduce):
+            continue  # one library per generic bucket
+        source = lib.library_source(text, dtype, d)
+        assert source == library_source(text, [kernel])
+        assert host_names(source, tmp_path) == {kernel, reduce}
+        name = lib.library_name(digest, dtype, d)
+        assert name == f"mlx_batched_decode_{digest}_{kernel.removeprefix('batched_decode_attention_')}"
+        names.add(name)
+    assert len(names) == 3 * 15
+
+
+def test_run_time_library_runs(lib):
+    """The C++ library_source of one dtype and head dim, compiled by the harness: its two kernels, right."""
+    text = lib.library_source(mbd.metal_source(), "bfloat16", 100)
+    one = EmulatedLibrary(build_library(text))
+    case = make_case(np.random.default_rng(1), "bfloat16", 100, 1, 4, 150, [150, 3], rows=2, starts=[5, 0])
+    assert lib.plan(2, 4, 1, 150, 100, "bfloat16", rows=2)["num_splits"] > 1
+    np.testing.assert_allclose(to_float64(case.run(one), "bfloat16"), case.reference(),
+                               atol=TOLERANCE["bfloat16"], rtol=TOLERANCE["bfloat16"])
+    with pytest.raises(HarnessError, match="no kernel named batched_decode_attention_bfloat16_96"):
+        one.dispatch("batched_decode_attention_bfloat16_96", [], (1, 1, 1), (32, 1, 1))
+
+
+def test_embedded_text_and_hash():
+    """The C++ file the build compiles holds the text in a raw literal and its hash."""
+    text = kernel_text()
+    cpp = metal_source.render_cpp(text)
+    assert f'R"mbd_metal({text})mbd_metal"' in cpp
+    assert f'return "{hashlib.sha256(text.encode()).hexdigest()[:16]}";' in cpp
+
+
+@pytest.mark.parametrize(
+    "include,message",
+    [('"missing.h"', 'cannot find include "missing.h"'),
+     ("<metal_simdgroup>", "<metal_simdgroup> is not available"),
+     ('"../kernels/batched_decode_attention.h"', None)])
+def test_generator_resolves_only_what_a_run_time_compile_has(tmp_path, include, message):
+    """Quoted includes are inlined (relative to the including file); any other
+    system header is refused, as a run-time compile has only <metal_stdlib>."""
+    entry = tmp_path / "kernels" / "entry.metal"
+    entry.parent.mkdir()
+    (tmp_path / "kernels" / "batched_decode_attention.h").write_text("// a header\n")
+    entry.write_text(f"#include {include}\nkernel void f() {{}}\n")
+    if message is None:
+        assert "// a header" in metal_source.flatten([entry])
+        return
+    with pytest.raises(metal_source.SourceError, match=re.escape(message)):
+        metal_source.flatten([entry])
+
+
+def test_generator_refuses_non_ascii(tmp_path):
+    entry = tmp_path / "entry.metal"
+    entry.write_text("// d\u00e9j\u00e0 vu\n", encoding="utf-8")
+    with pytest.raises(metal_source.SourceError, match="ASCII"):
+        metal_source.flatten([entry])

@@ -1,0 +1,1 @@
+"""Op-level tests: the fused ops against float64 references, errors, transformations."""
