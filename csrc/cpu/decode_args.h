@@ -81,6 +81,7 @@ struct DecodeArgs {
   int64_t sinks_stride;
   float scale;
   QuantizedRows quant; // bits == 0 for dense keys and values
+  bool amx_tiles = false; // the AMX variant: 16-bit blocks may run on AMX tiles
 
   int rows() const {
     return G * L;

@@ -56,8 +56,9 @@ using VectorLanes = Lanes8;
 constexpr int kScoreRows = 2;
 #endif
 
-// Blocks of 16-bit keys and values run on AMX tiles in a variant compiled for
-// them (see amx_tiles.h) when a work item has at least kAmxMinRows query rows;
+// Blocks of 16-bit keys and values run on AMX tiles in a build compiled for
+// them (see amx_tiles.h), when the AMX variant is selected (DecodeArgs::
+// amx_tiles) and a work item has at least kAmxMinRows query rows;
 // with fewer, the vector path costs less (measured on the development VM:
 // splitting float16 keys and values into bfloat16 parts costs about what 8
 // rows of vector arithmetic do). float32 keeps the vector path.
@@ -616,7 +617,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   AmxItem<T>& tiles = tls_tiles<T>;
   if constexpr (kAmx<T> && Bits == 0) {
-    tiles.begin(a, c, Dp, s.ranges.data(), R >= kAmxMinRows<T>);
+    tiles.begin(a, c, Dp, s.ranges.data(), a.amx_tiles && R >= kAmxMinRows<T>);
   }
 #endif
   QuantizedScratch& quantized = tls_quantized;
@@ -806,20 +807,25 @@ template <typename T>
 KernelFns fns_for_dtype(int head_dim) {
   using Fast = std::integer_sequence<int, 32, 64, 80, 96, 112, 128, 160, 192, 256, 512>;
   static_assert(Fast::size() == std::size(kFastHeadDims), "one kernel per fast head dim");
-  return fns_for_head_dim<T>(head_dim, Fast{});
+  if constexpr (kCompiled.fast_head_dims) {
+    return fns_for_head_dim<T>(head_dim, Fast{});
+  } else {
+    return fns<T, 0>();
+  }
 }
 
 // The quantized kernels: their own for head dims 64 and 128, else the generic one.
 template <typename T, int Bits>
 KernelFns quantized_fns_for_dtype(int head_dim) {
-  switch (head_dim) {
-    case 64:
+  if constexpr (kCompiled.fast_head_dims) {
+    if (head_dim == 64) {
       return {attend_chunk<T, 64, Bits>, finalize<T, 64>};
-    case 128:
+    }
+    if (head_dim == 128) {
       return {attend_chunk<T, 128, Bits>, finalize<T, 128>};
-    default:
-      return {attend_chunk<T, 0, Bits>, finalize<T, 0>};
+    }
   }
+  return {attend_chunk<T, 0, Bits>, finalize<T, 0>};
 }
 
 // f<T>() for the element type T of dtype.

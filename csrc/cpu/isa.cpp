@@ -67,14 +67,9 @@ bool supported(Isa isa) {
 #endif
     case Isa::amx:
 #if defined(MBD_HAS_AMX) && (defined(__x86_64__) || defined(_M_X64))
-      // Compiled on top of the AVX512-FP16 variant where the compiler has it
-      // (CMakeLists.txt); every CPU with AMX so far has AVX512-FP16 too.
-#if defined(MBD_HAS_AVX512FP16)
-      if (!supported(Isa::avx512fp16)) {
-        return false;
-      }
-#endif
-      return supported(Isa::avx512bf16) && __builtin_cpu_supports("amx-tile") &&
+      // The AVX512-FP16 build with its tile path on (CMakeLists.txt); every
+      // CPU with AMX so far has AVX512-FP16 too.
+      return supported(Isa::avx512fp16) && __builtin_cpu_supports("amx-tile") &&
           __builtin_cpu_supports("amx-bf16") && amx_permitted();
 #else
       return false;
@@ -114,6 +109,10 @@ std::string current_isa() {
   return isa_name(selected().load());
 }
 
+bool tiles_selected() {
+  return selected().load() == Isa::amx;
+}
+
 void set_isa(const std::string& name) {
   for (Isa isa : kIsas) {
     if (name == isa_name(isa) && supported(isa)) {
@@ -129,20 +128,9 @@ void set_isa(const std::string& name) {
 // those of the variant it is built on.
 KernelFns kernel_fns(Dtype dtype, int head_dim) {
   switch (selected().load()) {
-#if defined(MBD_HAS_AMX)
+#if defined(MBD_HAS_AVX512FP16)
+    // The AMX variant is this build with its tiles allowed (tiles_selected()).
     case Isa::amx:
-      if (amx::kCompiled.dense(dtype)) {
-        return amx::kernel_fns(dtype, head_dim);
-      }
-#if defined(MBD_HAS_AVX512FP16)
-      // Built on the AVX512-FP16 variant: float32 runs its 16-lane loops.
-      return avx512fp16::kernel_fns(dtype, head_dim);
-#else
-      // float32 keeps the AVX2 kernel: its bytes, not its arithmetic, bound it.
-      return avx2::kernel_fns(dtype, head_dim);
-#endif
-#endif
-#if defined(MBD_HAS_AVX512FP16)
     case Isa::avx512fp16:
       return avx512fp16::kernel_fns(dtype, head_dim);
 #endif

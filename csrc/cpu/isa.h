@@ -17,6 +17,10 @@ std::string current_isa();
 // Selects a variant by name; throws std::invalid_argument if unavailable.
 void set_isa(const std::string& name);
 
+// Whether the variant in use is AMX's: the AVX512-FP16 kernels with their
+// tile path allowed (DecodeArgs::amx_tiles).
+bool tiles_selected();
+
 // The kernel of the current variant for dtype and head dim.
 KernelFns kernel_fns(Dtype dtype, int head_dim);
 // The same for packed keys and values of `bits` (4 or 8).

@@ -6,11 +6,13 @@
 namespace mlx_batched_decode::cpu {
 
 // The kernels a variant compiles: the dense-row kernels (dense and paged
-// sources) of some dtypes, and maybe the quantized ones. isa.cpp sends every
-// other call to the variant that serves it, so a variant compiles only what
-// runs (each instantiation costs build time, none costs speed).
+// sources) of some dtypes, maybe the quantized ones, and kernels of their own
+// for the fast head dims or only the generic one. isa.cpp sends every other
+// call to the variant that serves it, so a variant compiles only what runs
+// (each instantiation costs build time).
 struct Compiled {
   bool float16, bfloat16, float32, quantized;
+  bool fast_head_dims = true;
 
   constexpr bool dense(Dtype dtype) const {
     return dtype == Dtype::float16 ? float16 : dtype == Dtype::bfloat16 ? bfloat16 : float32;
@@ -29,16 +31,23 @@ struct Compiled {
   }
 
 // The portable build and AVX2 serve everything on the CPUs they are best for.
-MBD_DECLARE_CPU_VARIANT(baseline, true, true, true, true)
+// On x86-64 the portable build serves only CPUs without AVX2 (some Atom,
+// Celeron and Pentium Silver parts): the generic head-dim kernel, a fifth of
+// the build; on arm64 it is the NEON kernel of every CPU, with every head dim.
+#if defined(__x86_64__) || defined(_M_X64)
+MBD_DECLARE_CPU_VARIANT(baseline, true, true, true, true, false)
+#else
+MBD_DECLARE_CPU_VARIANT(baseline, true, true, true, true, true)
+#endif
 MBD_DECLARE_CPU_VARIANT(avx2, true, true, true, true)
 // Only bfloat16 has code of its own there (the dot product); the AVX-512
 // build of the other dense kernels measured up to 10% slower than their AVX2
 // build. Its quantized kernels serve every AVX-512 variant: AVX-512VL's 32
 // registers let a score tile read 4 packed keys instead of 2.
 MBD_DECLARE_CPU_VARIANT(avx512bf16, false, true, false, true)
+// Its build holds the AMX variant's tile path too (where the compiler has
+// AMX), taken only when that variant is selected: the rest of the two is one code.
 MBD_DECLARE_CPU_VARIANT(avx512fp16, true, true, true, false)
-// AMX tiles run 16-bit rows only; float32 takes the variant AMX is built on.
-MBD_DECLARE_CPU_VARIANT(amx, true, true, false, false)
 
 #undef MBD_DECLARE_CPU_VARIANT
 

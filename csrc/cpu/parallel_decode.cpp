@@ -201,6 +201,7 @@ void plan_paged(const DecodeArgs& a, Call& call) {
 std::shared_ptr<Call> plan(const DecodeArgs& a) {
   auto call = std::make_shared<Call>();
   call->args = a;
+  call->args.amx_tiles = tiles_selected();
   call->fns = a.quant.bits ? quantized_kernel_fns(a.dtype, a.D, a.quant.bits) : kernel_fns(a.dtype, a.D);
   if (call->fns.chunk == nullptr) {
     throw std::logic_error("[batched_decode_attention] the CPU kernel variant " + current_isa() +

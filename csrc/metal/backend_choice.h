@@ -1,5 +1,5 @@
 // Where the Metal kernels come from. Plain C++, so that the Linux tests check
-// the choice through the emulation harness (tests/test_metal_backend.py).
+// the choice through the emulation harness (tests/kernels/metal/test_metal_backend.py).
 #pragma once
 
 namespace mlx_batched_decode {

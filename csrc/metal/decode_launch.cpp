@@ -159,8 +159,7 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchS
   encoder.set_output_array(split ? partials[2] : out, kPartialSum);
   encoder.set_bytes(params, kParams);
   if (quantized) {
-    const mx::array& scales = quantized->key_scales;
-    const mx::array* arrays[2][2] = {{&scales, &quantized->key_biases},
+    const mx::array* arrays[2][2] = {{&quantized->key_scales, &quantized->key_biases},
                                      {&quantized->value_scales, &quantized->value_biases}};
     QuantizedStrides qstrides{};
     for (int side = 0; side < 2; ++side) {
@@ -170,7 +169,7 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchS
       }
     }
     const QuantizedDecodeParams qparams =
-        make_quantized_params(shape, qstrides, quantized->group_size, kernel_dtype(scales.dtype()));
+        make_quantized_params(shape, qstrides, quantized->group_size, kernel_dtype(quantized->key_scales.dtype()));
     encoder.set_input_array(quantized->key_scales, MBD_QUANT_KEY_SCALES);
     encoder.set_input_array(quantized->key_biases, MBD_QUANT_KEY_BIASES);
     encoder.set_input_array(quantized->value_scales, MBD_QUANT_VALUE_SCALES);

@@ -1,7 +1,7 @@
 // C entry points of the harness library: the shared launch plan, run-time
 // library names and sources, and backend choice, and one emulated decode
 // attention call that binds and dispatches exactly as the Metal launcher
-// (csrc/metal/batched_decode_attention_gpu.cpp) does.
+// (csrc/metal/decode_launch.cpp) does.
 #include <cstdint>
 #include <cstring>
 #include <exception>

@@ -14,16 +14,10 @@ import sys
 
 import pytest
 
-<<<<<<< HEAD:tests/test_sanitizers.py
 from mlx_batched_decode import _ext
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-BUILD = ROOT / "build" / "sanitize"
-=======
 from tests.support.repo import REPO
 
 BUILD = REPO / "build" / "sanitize"
->>>>>>> pylayout:tests/kernels/cpu/test_sanitizers.py
 KERNEL_TESTS = [
     "tests/ops/test_batched_decode_attention.py",
     "tests/ops/test_decode_shapes.py",
