@@ -14,4 +14,8 @@ add_custom_command(
   DEPENDS ${CMAKE_CURRENT_LIST_DIR}/metal_source.py ${MBD_METAL_ENTRIES} ${MBD_METAL_HEADERS}
   COMMENT "Embedding the Metal kernel source"
   VERBATIM)
-target_sources(_ext PRIVATE ${MBD_METAL_SOURCE_CPP})
+# A library of its own: the module's other files need not wait for the
+# custom command, which waits for the module's dependencies (the kernel builds).
+add_library(mbd_metal_source STATIC ${MBD_METAL_SOURCE_CPP})
+target_include_directories(mbd_metal_source PRIVATE ${CMAKE_CURRENT_LIST_DIR}/../csrc)
+target_link_libraries(_ext PRIVATE mbd_metal_source)
