@@ -4,9 +4,9 @@
 #include <bit>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 #include <numeric>
-#include <iterator>
 #include <type_traits>
 #include <utility>
 #include <vector>
