@@ -674,13 +674,8 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
         if constexpr (kBf16Dot<T>) {
           for_row_tiles<4>(R, [&]<int H>(int r) {
-            float* out = scores + r * kBlock + j;
-            dot_4_rows<Bf16Pairs, D, H>(s.q_raw.data() + r * Dp, rows + j, out, kBlock, Dp, r == 0 ? ahead : Lookahead{});
-            for (int h = 0; h < H; ++h) {
-              for (int c = 0; c < 4; ++c) {
-                out[h * kBlock + c] *= a.scale;
-              }
-            }
+            dot_4_rows<Bf16Pairs, D, H>(s.q_raw.data() + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp,
+                                        r == 0 ? ahead : Lookahead{}, a.scale);
           });
           continue;
         }

@@ -12,9 +12,10 @@
 // rules out.
 //
 // Each trait: Acc (accumulator) and Row (a loaded chunk) vector types, kStep
-// elements per chunk, zero, load (a chunk of a row or query, widened and held
-// in a register), fma(a, b, acc) = acc + a * b lane by lane (Bf16Pairs: the
-// pairs' dot product), sum4 (the four horizontal sums of v[0..3] into out),
+// elements per chunk, kRawQueries (queries unscaled: scores scaled instead),
+// zero, load (a chunk of a row or query, widened and held in a register),
+// fma(a, b, acc) = acc + a * b lane by lane (Bf16Pairs: the pairs' dot
+// product), sum4 (the four horizontal sums of v[0..3] into out),
 // and for the value loops load_acc, store, splat and mul.
 #pragma once
 
@@ -44,6 +45,7 @@ struct Lanes8 {
   using Acc = f32x8;
   using Row = f32x8;
   static constexpr int kStep = 8;
+  static constexpr bool kRawQueries = false;
 
   static Acc zero() {
     return f32x8{};
@@ -77,6 +79,7 @@ struct Lanes16 {
   using Acc = __m512;
   using Row = __m512;
   static constexpr int kStep = 16;
+  static constexpr bool kRawQueries = false;
 
   static Acc zero() {
     return _mm512_setzero_ps();
@@ -130,6 +133,7 @@ struct Bf16Pairs {
   using Acc = f32x8;
   using Row = __m256bh;
   static constexpr int kStep = 16;
+  static constexpr bool kRawQueries = true; // unscaled bfloat16 queries, exact
 
   static Acc zero() {
     return f32x8{};

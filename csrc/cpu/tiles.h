@@ -33,12 +33,15 @@ inline void prefetch_successor(const T* row, int i, int j, Lookahead ahead) {
 // Scores of a tile of H query rows against four rows of T on lanes L:
 // out[h * out_stride + c] = dot(q + h * Dn, rows[c]) for h < H, c < 4, where
 // Dn is D, or `dim` (a multiple of L::kStep) for the generic kernel (D == 0);
-// q holds float32 rows (bfloat16 ones for Bf16Pairs). Each row chunk loaded
+// q holds float32 rows scaled already, or, for lanes whose queries stay raw
+// (L::kRawQueries: Bf16Pairs' bfloat16 rows), unscaled ones whose scores are
+// multiplied by `scale` here. Each row chunk loaded
 // once serves H query rows, and the 4H independent accumulator chains hide
 // the FMA latency a single dot is bound by (4H accumulators and 4 chunks of
 // keys must fit the registers: H <= 2 on 8 lanes without AVX-512VL's 32).
 template <typename L, int D, int H, typename Q, typename T>
-inline void dot_4_rows(const Q* q, const T* const* rows, float* out, int out_stride, int dim, Lookahead ahead = {}) {
+inline void dot_4_rows(const Q* q, const T* const* rows, float* out, int out_stride, int dim, Lookahead ahead = {},
+                       float scale = 1.0f) {
   static_assert(D % L::kStep == 0, "head dims are multiples of the chunk");
   const int Dn = D ? D : dim;
   const T* r[4] = {rows[0], rows[1], rows[2], rows[3]};
@@ -62,7 +65,13 @@ inline void dot_4_rows(const Q* q, const T* const* rows, float* out, int out_str
     }
   }
   for (int h = 0; h < H; ++h) {
-    L::sum4(s[h], out + h * out_stride);
+    float* o = out + h * out_stride;
+    L::sum4(s[h], o);
+    if constexpr (L::kRawQueries) {
+      for (int c = 0; c < 4; ++c) {
+        o[c] *= scale;
+      }
+    }
   }
 }
 
