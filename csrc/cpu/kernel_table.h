@@ -32,7 +32,7 @@ struct Compiled {
 
 // The portable build and AVX2 serve everything on the CPUs they are best for.
 // On x86-64 the portable build serves only CPUs without AVX2 (some Atom,
-// Celeron and Pentium Silver parts): the generic head-dim kernel, a fifth of
+// Celeron and Pentium Silver parts): the generic head-dim kernel, an eighth of
 // the build; on arm64 it is the NEON kernel of every CPU, with every head dim.
 #if defined(__x86_64__) || defined(_M_X64)
 MBD_DECLARE_CPU_VARIANT(baseline, true, true, true, true, false)
@@ -46,7 +46,7 @@ MBD_DECLARE_CPU_VARIANT(avx2, true, true, true, true)
 // registers let a score tile read 4 packed keys instead of 2.
 MBD_DECLARE_CPU_VARIANT(avx512bf16, false, true, false, true)
 // Its build holds the AMX variant's tile path too (where the compiler has
-// AMX), taken only when that variant is selected: the rest of the two is one code.
+// AMX), taken only when that variant is selected; the rest of the two is one.
 MBD_DECLARE_CPU_VARIANT(avx512fp16, true, true, true, false)
 
 #undef MBD_DECLARE_CPU_VARIANT
