@@ -13,6 +13,11 @@ mx::array batched_decode_attention(const mx::array& queries, const mx::array& ke
       decode_call("batched_decode_attention", {queries, keys, values}, valid_lens, options, d.T, d.D, s));
 }
 
+RowArrays BatchedDecodeAttention::rows(const std::vector<mx::array>& inputs) const {
+  const mx::array& keys = inputs[1];
+  return {keys, inputs[2], keys.shape(1), keys.shape(2)};
+}
+
 mx::array BatchedDecodeAttention::fallback(const std::vector<mx::array>& inputs) {
   return reference_attention(inputs[0], inputs[1], inputs[2], valid_lens(inputs), options(inputs), stream());
 }

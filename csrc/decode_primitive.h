@@ -8,6 +8,7 @@
 // (float32 [H_q]) if has_sinks. eval_cpu lives in cpu/, eval_gpu in metal/.
 #pragma once
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -17,6 +18,19 @@
 #include "mlx/utils.h"
 
 namespace mlx_batched_decode {
+
+// Where a call's key and value rows live, as both backends read them: arrays
+// whose axes `axes` are the kernels' {request or page, head, position or row,
+// dim}, holding H_kv heads over T logical positions; block_tables, if set,
+// maps each request's positions to pages (the page axis then gives the pool's
+// blocks and the row axis its block size).
+struct RowArrays {
+  const mx::array& keys;
+  const mx::array& values;
+  int H_kv, T;
+  std::array<int, 4> axes = {0, 1, 2, 3};
+  const mx::array* block_tables = nullptr;
+};
 
 class DecodePrimitive : public mx::UnaryPrimitive {
  public:
@@ -58,6 +72,8 @@ class DecodePrimitive : public mx::UnaryPrimitive {
   }
   // The call's options as the references take them.
   DecodeOptions options(const std::vector<mx::array>& inputs) const;
+  // The layout's key and value rows among the inputs.
+  virtual RowArrays rows(const std::vector<mx::array>& inputs) const = 0;
 
  protected:
   // The op's contract in plain MLX ops on the primitive's inputs.
@@ -82,6 +98,7 @@ class BatchedDecodeAttention : public DecodePrimitive {
   const char* name() const override {
     return "BatchedDecodeAttention";
   }
+  RowArrays rows(const std::vector<mx::array>& inputs) const override;
 
  private:
   mx::array fallback(const std::vector<mx::array>& inputs) override;
@@ -97,6 +114,7 @@ class PagedDecodeAttention : public DecodePrimitive {
   const char* name() const override {
     return "PagedDecodeAttention";
   }
+  RowArrays rows(const std::vector<mx::array>& inputs) const override;
 
  private:
   mx::array fallback(const std::vector<mx::array>& inputs) override;
@@ -115,6 +133,7 @@ class QuantizedBatchedDecodeAttention : public DecodePrimitive {
   const char* name() const override {
     return "QuantizedBatchedDecodeAttention";
   }
+  RowArrays rows(const std::vector<mx::array>& inputs) const override;
 
  private:
   mx::array fallback(const std::vector<mx::array>& inputs) override;

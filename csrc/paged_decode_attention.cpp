@@ -15,6 +15,13 @@ mx::array paged_decode_attention(const mx::array& queries, const mx::array& key_
       s));
 }
 
+// Pools [page, row, head, dim] as the kernels' {page, head, row, dim}.
+RowArrays PagedDecodeAttention::rows(const std::vector<mx::array>& inputs) const {
+  const mx::array& pages = inputs[1];
+  const mx::array& tables = inputs[3];
+  return {pages, inputs[2], pages.shape(2), tables.shape(1) * pages.shape(1), {0, 2, 1, 3}, &tables};
+}
+
 mx::array PagedDecodeAttention::fallback(const std::vector<mx::array>& inputs) {
   return reference_paged_attention(
       inputs[0], inputs[1], inputs[2], inputs[3], valid_lens(inputs), options(inputs), stream());

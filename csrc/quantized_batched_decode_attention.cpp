@@ -102,6 +102,12 @@ mx::array quantized_batched_decode_attention(const mx::array& queries, const std
       group_size, bits));
 }
 
+// The packed words [B, H_kv, T, W] as the rows.
+RowArrays QuantizedBatchedDecodeAttention::rows(const std::vector<mx::array>& inputs) const {
+  const mx::array& words = inputs[kKeyWords];
+  return {words, inputs[kValueWords], words.shape(1), words.shape(2)};
+}
+
 mx::array QuantizedBatchedDecodeAttention::fallback(const std::vector<mx::array>& inputs) {
   const auto s = stream();
   const int group_size = attributes().group_size, bits = attributes().bits;

@@ -1,8 +1,6 @@
 // eval_cpu of the op family: each op describes its call in plain terms
 // (DecodeArgs: the part every layout shares, then what its row source adds)
 // and queues the one CPU kernel on the stream's command encoder.
-#include <array>
-
 #include "cpu/decode_args.h"
 #include "cpu/parallel_decode.h"
 #include "decode_primitive.h"
@@ -23,19 +21,10 @@ cpu::Dtype to_kernel_dtype(mx::Dtype t) {
   return cpu::Dtype::float32;
 }
 
-// Where the kernel's key and value rows live: arrays whose axes `axes` are
-// the kernel's {request or page, head, position or row, dim}, holding H_kv
-// heads over T logical positions.
-struct Rows {
-  const mx::array& keys;
-  const mx::array& values;
-  int H_kv, T;
-  std::array<int, 4> axes = {0, 1, 2, 3};
-};
-
-// The shared part of a call's description; allocates out.
-cpu::DecodeArgs describe(const DecodePrimitive& p, const std::vector<mx::array>& inputs, const Rows& rows,
-                         mx::array& out) {
+// A call's description: everything but the quantized rows' scales and
+// biases; allocates out.
+cpu::DecodeArgs describe(const DecodePrimitive& p, const std::vector<mx::array>& inputs, mx::array& out) {
+  const RowArrays rows = p.rows(inputs);
   const mx::array& q = inputs[0];
   const mx::array& lens = p.valid_lens(inputs);
   const mx::array* starts = p.kv_starts(inputs);
@@ -69,6 +58,13 @@ cpu::DecodeArgs describe(const DecodePrimitive& p, const std::vector<mx::array>&
   a.starts_stride = starts ? starts->strides(0) : 0;
   a.sinks_stride = sinks ? sinks->strides(0) : 0;
   a.scale = p.attributes().scale;
+  if (const mx::array* tables = rows.block_tables) {
+    a.block_tables = tables->data<int32_t>();
+    a.table_stride[0] = tables->strides(0);
+    a.table_stride[1] = tables->strides(1);
+    a.block_size = rows.keys.shape(rows.axes[2]);
+    a.num_blocks = rows.keys.shape(rows.axes[0]);
+  }
   return a;
 }
 
@@ -86,26 +82,15 @@ void queue(const mx::Stream& stream, const std::vector<mx::array>& inputs, mx::a
 } // namespace
 
 void BatchedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const mx::array& k = inputs[1];
-  queue(stream(), inputs, out, describe(*this, inputs, {k, inputs[2], k.shape(1), k.shape(2)}, out));
+  queue(stream(), inputs, out, describe(*this, inputs, out));
 }
 
 void PagedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const mx::array& k = inputs[1];
-  const mx::array& tables = inputs[3];
-  // Pools [page, row, head, dim] as the kernel's {page, head, row, dim}.
-  cpu::DecodeArgs a = describe(*this, inputs, {k, inputs[2], k.shape(2), tables.shape(1) * k.shape(1), {0, 2, 1, 3}}, out);
-  a.block_tables = tables.data<int32_t>();
-  a.table_stride[0] = tables.strides(0);
-  a.table_stride[1] = tables.strides(1);
-  a.block_size = k.shape(1);
-  a.num_blocks = k.shape(0);
-  queue(stream(), inputs, out, a);
+  queue(stream(), inputs, out, describe(*this, inputs, out));
 }
 
 void QuantizedBatchedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const mx::array& k = inputs[kKeyWords];
-  cpu::DecodeArgs a = describe(*this, inputs, {k, inputs[kValueWords], k.shape(1), k.shape(2)}, out);
+  cpu::DecodeArgs a = describe(*this, inputs, out);
   a.Dp = a.D; // a multiple of group_size, so of 32
   a.quant.bits = attributes().bits;
   a.quant.group_size = attributes().group_size;

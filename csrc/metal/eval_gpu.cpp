@@ -1,8 +1,6 @@
 // eval_gpu of the op family: each op states its shapes, strides and row
 // source, and the one launch tail (decode_launch.cpp) plans, binds and
 // dispatches. Compiled only where MLX_BUILD_METAL is set (cmake/metal.cmake).
-#include <array>
-
 #include "mlx/allocator.h"
 
 #include "../decode_primitive.h"
@@ -13,21 +11,13 @@ namespace mlx_batched_decode {
 
 namespace {
 
-// Where the key and value rows live: arrays whose axes `axes` step the
-// kernel's {request or page, head, position or row}, holding H_kv heads over
-// T logical positions.
-struct Rows {
-  const mx::array& keys;
-  const mx::array& values;
-  int H_kv, T;
-  std::array<int, 3> axes = {0, 1, 2};
-};
-
-// Launches p on its inputs. tables, if set, is bound in the kv_starts slot
-// (the paged layout); quantized adds the quantized rows' buffers.
-void launch(DecodePrimitive& p, const std::vector<mx::array>& inputs, const Rows& rows, mx::array& out,
-            const PagedLayout& paged = {}, const mx::array* tables = nullptr,
+// Launches p on its inputs: the rows of p.rows(), whose block tables, if
+// any, are bound in the kv_starts slot (the paged layout); quantized adds the
+// quantized rows' buffers.
+void launch(DecodePrimitive& p, const std::vector<mx::array>& inputs, mx::array& out,
             const QuantizedBuffers* quantized = nullptr) {
+  const RowArrays rows = p.rows(inputs);
+  const mx::array* tables = rows.block_tables;
   const mx::array& q = inputs[0];
   const mx::array& k = rows.keys;
   const mx::array& v = rows.values;
@@ -48,13 +38,15 @@ void launch(DecodePrimitive& p, const std::vector<mx::array>& inputs, const Rows
       q.shape(0), q.shape(1), rows.H_kv, q.shape(2), rows.T, q.shape(3), effective_window(at.window, rows.T),
       kernel_dtype(q.dtype()),
       /* max_threads_per_group, set by the launch */ MBD_SIMD_WIDTH, at.has_kv_starts, at.has_sinks};
-  const auto& [batch, head, seq] = rows.axes;
+  const int batch = rows.axes[0], head = rows.axes[1], seq = rows.axes[2];
   const InputStrides strides{q.strides(0),     q.strides(1),    q.strides(2),
                              k.strides(batch), k.strides(head), k.strides(seq),
                              v.strides(batch), v.strides(head), v.strides(seq),
                              lens.strides(0),  tables ? 0 : starts.strides(0), sinks.strides(0)};
   // Metal buffers start at least 16-byte aligned, so the views' byte offsets decide the vector loads.
   const InputOffsets offsets{q.offset(), k.offset(), v.offset()};
+  const PagedLayout paged = tables ? PagedLayout{k.shape(seq), k.shape(batch), tables->strides(0), tables->strides(1)}
+                                   : PagedLayout{};
   launch_decode_attention(p.stream(), p.name(), shape, strides, offsets, paged, at.scale,
                           {q, k, v, lens, starts, sinks}, out, quantized);
 }
@@ -62,25 +54,19 @@ void launch(DecodePrimitive& p, const std::vector<mx::array>& inputs, const Rows
 } // namespace
 
 void BatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const mx::array& k = inputs[1];
-  launch(*this, inputs, {k, inputs[2], k.shape(1), k.shape(2)}, out);
+  launch(*this, inputs, out);
 }
 
-// Pools [page, row, head, dim]: pages take the batch stride, rows the position
-// stride. A block shared by several requests is read once per request.
+// A block shared by several requests is read once per request.
 void PagedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const mx::array& k = inputs[1];
-  const mx::array& tables = inputs[3];
-  const PagedLayout paged{k.shape(1), k.shape(0), tables.strides(0), tables.strides(1)};
-  launch(*this, inputs, {k, inputs[2], k.shape(2), tables.shape(1) * k.shape(1), {0, 2, 1}}, out, paged, &tables);
+  launch(*this, inputs, out);
 }
 
 // The dense core with the quantized row source; the split-K reduce is the dense one.
 void QuantizedBatchedDecodeAttention::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  const mx::array& k = inputs[kKeyWords];
   const QuantizedBuffers quantized{attributes().bits,   attributes().group_size, inputs[kKeyScales],
                                    inputs[kKeyBiases],  inputs[kValueScales],    inputs[kValueBiases]};
-  launch(*this, inputs, {k, inputs[kValueWords], k.shape(1), k.shape(2)}, out, {}, nullptr, &quantized);
+  launch(*this, inputs, out, &quantized);
 }
 
 } // namespace mlx_batched_decode
