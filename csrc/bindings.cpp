@@ -15,6 +15,7 @@
 #include "metal_source.h"
 #include "paged_decode_attention.h"
 #include "quantized_batched_decode_attention.h"
+#include "ragged_decode_attention.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -273,6 +274,98 @@ Raises:
 dense cache, positions of out-of-pool blocks masked, float32 softmax). Same
 arguments, shapes and errors; slower, differentiable, and the fallback the
 primitive uses for vjp, jvp and vmap.)");
+
+  m.def(
+      "ragged_decode_attention",
+      [](const mx::array& q, const std::vector<mx::array>& k, const std::vector<mx::array>& v, OptionalArray lens,
+         std::optional<float> scale, OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks,
+         mx::StreamOrDevice s) {
+        return mbd::ragged_decode_attention(q, k, v, lens, options(scale, kv_starts, window, sinks), s);
+      },
+      "queries"_a,
+      "keys"_a,
+      "values"_a,
+      "valid_lens"_a = nb::none(),
+      nb::kw_only(),
+      "scale"_a = nb::none(),
+      "kv_starts"_a = nb::none(),
+      "window"_a = nb::none(),
+      "sinks"_a = nb::none(),
+      "stream"_a = nb::none(),
+      nb::sig(
+          "def ragged_decode_attention(queries: mlx.core.array, keys: collections.abc.Sequence[mlx.core.array], "
+          "values: collections.abc.Sequence[mlx.core.array], valid_lens: mlx.core.array | None = None, *, "
+          "scale: float | None = None, kv_starts: mlx.core.array | None = None, window: int | None = None, "
+          "sinks: mlx.core.array | None = None, "
+          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
+      R"(Batched decode attention straight from one cache buffer per request.
+
+Dimension legend: B requests, H_q query heads, H_kv key/value heads
+(G = H_q / H_kv query heads share one KV head), L query rows per request,
+T_b the positions of request b's buffer, D head dim (1 to 512).
+
+``batched_decode_attention``'s semantics, with each request's keys and
+values in arrays of their own (SGLang's per-request caches, mlx-lm's
+``KVCache``): with len_b = clamp(valid_lens[b], 0, T_b), query row i sits
+at position p = len_b - L + i and attends keys max(start_b, p - window + 1,
+0) .. p. The arrays are read in place, never copied or padded; positions
+outside a row's range are never read.
+
+Args:
+    queries (array): [B, H_q, L, D], float16, bfloat16 or float32.
+    keys (sequence of array): B arrays, request b's [1, H_kv, T_b, D] or
+        [H_kv, T_b, D] (the two may be mixed), the queries' dtype; slices of
+        larger buffers and other strided views (a token-major
+        [1, T, H_kv, D] buffer transposed) are read in place. T_b may differ
+        between requests and may be 0.
+    values (sequence of array): B arrays, each the shape of its keys.
+    valid_lens (array, optional): [B], integer; default each T_b.
+    scale (float, optional): score scale, default 1/sqrt(D).
+    kv_starts (array, optional): [B], integer: the first valid key of each request.
+    window (int, optional): >= 1; each row attends at most its last
+        ``window`` keys, itself included.
+    sinks (array, optional): [H_q], floating: a per-head logit in each row's
+        softmax denominator, with no value.
+    stream (Stream or Device, optional): where to run, keyword only.
+
+Returns:
+    array: [B, H_q, L, D] in the queries' dtype, accumulated in float32. A
+    row with no key to attend gets zeros. Under ``mx.compile``, each B (the
+    number of arrays in the lists) is a graph of its own.
+
+Raises:
+    ValueError: malformed arguments (lists that are not B long, keys and
+        values of different shapes, mixed dtypes, H_kv or D that differ
+        between requests, a leading axis other than 1, and every check of
+        ``batched_decode_attention``), before any work is queued.)");
+
+  m.def(
+      "reference_ragged_attention",
+      [](const mx::array& q, const std::vector<mx::array>& k, const std::vector<mx::array>& v, OptionalArray lens,
+         std::optional<float> scale, OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks,
+         mx::StreamOrDevice s) {
+        return mbd::reference_ragged_attention(q, k, v, lens, options(scale, kv_starts, window, sinks), s);
+      },
+      "queries"_a,
+      "keys"_a,
+      "values"_a,
+      "valid_lens"_a = nb::none(),
+      nb::kw_only(),
+      "scale"_a = nb::none(),
+      "kv_starts"_a = nb::none(),
+      "window"_a = nb::none(),
+      "sinks"_a = nb::none(),
+      "stream"_a = nb::none(),
+      nb::sig(
+          "def reference_ragged_attention(queries: mlx.core.array, keys: collections.abc.Sequence[mlx.core.array], "
+          "values: collections.abc.Sequence[mlx.core.array], valid_lens: mlx.core.array | None = None, *, "
+          "scale: float | None = None, kv_starts: mlx.core.array | None = None, window: int | None = None, "
+          "sinks: mlx.core.array | None = None, "
+          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
+      R"(``ragged_decode_attention`` in plain MLX ops (``reference_attention`` on
+each request's own arrays, joined on the batch axis). Same arguments, shapes
+and errors; slower, differentiable, and the fallback the primitive uses for
+vjp, jvp and vmap.)");
 
   m.def(
       "advise_huge_pages",

@@ -114,6 +114,9 @@ void PagedDecodeAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 void QuantizedBatchedDecodeAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   no_metal_kernel(name());
 }
+void RaggedDecodeAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  no_metal_kernel(name());
+}
 #endif
 
 } // namespace mlx_batched_decode

@@ -23,14 +23,29 @@ namespace mlx_batched_decode {
 // whose axes `axes` are the kernels' {request or page, head, position or row,
 // dim}, holding H_kv heads over T logical positions; block_tables, if set,
 // maps each request's positions to pages (the page axis then gives the pool's
-// blocks and the row axis its block size).
+// blocks and the row axis its block size). request_keys and request_values,
+// if set, are B arrays each, one per request (the ragged layout, whose keys
+// and values are the first request's and T the longest length): see
+// request_axes and request_length.
 struct RowArrays {
   const mx::array& keys;
   const mx::array& values;
   int H_kv, T;
   std::array<int, 4> axes = {0, 1, 2, 3};
   const mx::array* block_tables = nullptr;
+  const mx::array* request_keys = nullptr;
+  const mx::array* request_values = nullptr;
 };
+
+// The positions of one request's array of the ragged layout, [1, H_kv, T_b,
+// D] or [H_kv, T_b, D], and its axes {head, position, dim}.
+inline int request_length(const mx::array& a) {
+  return a.shape(a.ndim() - 2);
+}
+inline std::array<int, 3> request_axes(const mx::array& a) {
+  const int off = static_cast<int>(a.ndim()) - 3;
+  return {off, off + 1, off + 2};
+}
 
 class DecodePrimitive : public mx::UnaryPrimitive {
  public:
@@ -139,6 +154,23 @@ class QuantizedBatchedDecodeAttention : public DecodePrimitive {
   mx::array fallback(const std::vector<mx::array>& inputs) override;
 };
 
+// Inputs: queries, the B requests' keys, then their B values (each
+// [1, H_kv, T_b, D] or [H_kv, T_b, D]), then the options.
+class RaggedDecodeAttention : public DecodePrimitive {
+ public:
+  RaggedDecodeAttention(mx::Stream stream, DecodeAttributes attributes, int B)
+      : DecodePrimitive(stream, attributes, 2 * B) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "RaggedDecodeAttention";
+  }
+  RowArrays rows(const std::vector<mx::array>& inputs) const override;
+
+ private:
+  mx::array fallback(const std::vector<mx::array>& inputs) override;
+};
+
 // A call of op `op` (the prefix of its errors) as a primitive's inputs and
 // attributes: rows are the queries and the layout's row arrays; valid_lens
 // and kv_starts go in as int32 (the kernels clamp them to [0, T]), sinks as
@@ -152,13 +184,15 @@ DecodeCall decode_call(const char* op, std::vector<mx::array> rows, const mx::ar
                        const DecodeOptions& options, int T, int D, mx::StreamOrDevice s, int group_size = 0,
                        int bits = 0);
 
-// The output of a call of primitive P: [B, H_q, L, D] in the queries' dtype.
-template <typename P>
-mx::array decode_output(DecodeCall call) {
+// The output of a call of primitive P, built with the further constructor
+// arguments `extra`: [B, H_q, L, D] in the queries' dtype.
+template <typename P, typename... Extra>
+mx::array decode_output(DecodeCall call, Extra... extra) {
   // Copied first: the inputs move into the array.
   mx::Shape shape = call.inputs[0].shape();
   const mx::Dtype dtype = call.inputs[0].dtype();
-  return mx::array(std::move(shape), dtype, std::make_shared<P>(call.stream, call.attributes), std::move(call.inputs));
+  return mx::array(std::move(shape), dtype, std::make_shared<P>(call.stream, call.attributes, extra...),
+                   std::move(call.inputs));
 }
 
 } // namespace mlx_batched_decode

@@ -48,6 +48,17 @@ struct QuantizedRows {
   }
 };
 
+// One buffer per request (the ragged layout): request b's keys and values are
+// arrays of their own, [H_kv, length, D] with strides {0, head, position,
+// dim}; positions past length are never read.
+struct RequestRows {
+  const void* keys;
+  const void* values;
+  int64_t k_stride[4];
+  int64_t v_stride[4];
+  int length;
+};
+
 // Dimension legend: B requests, H_q query heads, H_kv key/value heads,
 // G = H_q / H_kv query heads per KV head, L query rows per request, T padded
 // length, D head dim. The R = G * L query rows of one (request, KV head) are
@@ -58,11 +69,16 @@ struct QuantizedRows {
 // [num_blocks, block_size, H_kv, D], k_stride and v_stride are {page, head,
 // row, dim}, T = max_blocks * block_size, and position j of request b is row
 // j % block_size of page block_tables[b, j / block_size] (see row_source.h).
+//
+// Ragged layout (requests not null): keys, values and their strides are
+// request b's (RequestRows) in of_request(b), the description a work item of
+// request b runs on; T is the longest length.
 struct DecodeArgs {
   const void* queries; // [B, H_q, L, D]
   const void* keys; // [B, H_kv, T, D], or a pool
   const void* values; // [B, H_kv, T, D], or a pool
   const int32_t* block_tables = nullptr; // [B, max_blocks] or null (dense)
+  const RequestRows* requests = nullptr; // [B] or null (one array for all requests)
   int64_t table_stride[2] = {0, 0};
   int block_size = 0, num_blocks = 0;
   const int32_t* valid_lens; // [B], clamped to [0, T] by the kernel
@@ -86,8 +102,10 @@ struct DecodeArgs {
   int rows() const {
     return G * L;
   }
+  // valid_lens[b] clamped to [0, T], and to request b's length in the ragged layout.
   int length(int b) const {
-    return clamp_position(valid_lens[b * lens_stride]);
+    const int len = clamp_position(valid_lens[b * lens_stride]);
+    return requests ? std::min(len, std::max(requests[b].length, 0)) : len;
   }
   int start(int b) const {
     return kv_starts ? clamp_position(kv_starts[b * starts_stride]) : 0;
@@ -108,6 +126,19 @@ struct DecodeArgs {
       }
     }
     return {0, 0};
+  }
+  // The description request b's rows are read through: in the ragged layout,
+  // its own arrays and strides (batch stride 0), else this one.
+  DecodeArgs of_request(int b) const {
+    if (requests == nullptr) {
+      return *this;
+    }
+    DecodeArgs a = *this;
+    a.keys = requests[b].keys;
+    a.values = requests[b].values;
+    std::copy_n(requests[b].k_stride, 4, a.k_stride);
+    std::copy_n(requests[b].v_stride, 4, a.v_stride);
+    return a;
   }
 
  private:

@@ -209,7 +209,8 @@ Lookahead successor_rows(const DecodeArgs& a, const int64_t* stride, const Chunk
   if (t + n < c.t1) {
     return {kBlock * stride[2], std::min(kBlock, c.t1 - t - n)};
   }
-  if (next == nullptr || next->t1 <= next->t0) {
+  // A request of the ragged layout has its own buffer: no offset reaches the next one's.
+  if (next == nullptr || next->t1 <= next->t0 || (a.requests != nullptr && next->b != c.b)) {
     return {};
   }
   const int64_t offset = int64_t{next->b - c.b} * stride[0] + int64_t{next->h - c.h} * stride[1] +

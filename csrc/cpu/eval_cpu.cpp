@@ -1,6 +1,10 @@
 // eval_cpu of the op family: each op describes its call in plain terms
 // (DecodeArgs: the part every layout shares, then what its row source adds)
 // and queues the one CPU kernel on the stream's command encoder.
+#include <array>
+#include <memory>
+#include <vector>
+
 #include "cpu/decode_args.h"
 #include "cpu/parallel_decode.h"
 #include "decode_primitive.h"
@@ -51,8 +55,11 @@ cpu::DecodeArgs describe(const DecodePrimitive& p, const std::vector<mx::array>&
   a.window = effective_window(p.attributes().window, a.T);
   for (int i = 0; i < 4; ++i) {
     a.q_stride[i] = q.strides(i);
-    a.k_stride[i] = rows.keys.strides(rows.axes[i]);
-    a.v_stride[i] = rows.values.strides(rows.axes[i]);
+    // The ragged layout's strides are each request's (DecodeArgs::of_request).
+    if (rows.request_keys == nullptr) {
+      a.k_stride[i] = rows.keys.strides(rows.axes[i]);
+      a.v_stride[i] = rows.values.strides(rows.axes[i]);
+    }
   }
   a.lens_stride = lens.strides(0);
   a.starts_stride = starts ? starts->strides(0) : 0;
@@ -68,15 +75,31 @@ cpu::DecodeArgs describe(const DecodePrimitive& p, const std::vector<mx::array>&
   return a;
 }
 
+// requests, if not null, is the ragged layout's table, which a.requests is
+// pointed at inside the task that owns it.
 void queue(const mx::Stream& stream, const std::vector<mx::array>& inputs, mx::array& out,
-           const cpu::DecodeArgs& a) {
+           const cpu::DecodeArgs& a, std::shared_ptr<std::vector<cpu::RequestRows>> requests = nullptr) {
   auto& encoder = mx::cpu::get_command_encoder(stream);
   for (const mx::array& in : inputs) {
     encoder.set_input_array(in);
   }
   encoder.set_output_array(out);
-  // Only the plain description is captured; the inputs outlive the task.
-  encoder.dispatch([a]() { cpu::run_decode(a); });
+  // Only plain descriptions are captured; the inputs outlive the task.
+  encoder.dispatch([a, requests = std::move(requests)]() {
+    cpu::DecodeArgs args = a;
+    args.requests = requests ? requests->data() : nullptr;
+    cpu::run_decode(args);
+  });
+}
+
+// Request b's keys or values of the ragged layout as the kernel reads them:
+// strides {0, head, position, dim}.
+void request_strides(const mx::array& a, int64_t* stride) {
+  const std::array<int, 3> axes = request_axes(a);
+  stride[0] = 0;
+  for (int i = 0; i < 3; ++i) {
+    stride[1 + i] = a.strides(axes[i]);
+  }
 }
 
 } // namespace
@@ -106,6 +129,23 @@ void QuantizedBatchedDecodeAttention::eval_cpu(const std::vector<mx::array>& inp
     }
   }
   queue(stream(), inputs, out, a);
+}
+
+void RaggedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const cpu::DecodeArgs a = describe(*this, inputs, out);
+  const RowArrays rows = this->rows(inputs);
+  auto requests = std::make_shared<std::vector<cpu::RequestRows>>(a.B);
+  for (int b = 0; b < a.B; ++b) {
+    const mx::array& k = rows.request_keys[b];
+    const mx::array& v = rows.request_values[b];
+    cpu::RequestRows& r = (*requests)[b];
+    r.keys = k.data<void>();
+    r.values = v.data<void>();
+    request_strides(k, r.k_stride);
+    request_strides(v, r.v_stride);
+    r.length = request_length(k);
+  }
+  queue(stream(), inputs, out, a, std::move(requests));
 }
 
 } // namespace mlx_batched_decode

@@ -80,7 +80,7 @@ struct Call {
       return;
     }
     if (c.count == 1) {
-      fns.chunk(args, c, PartialState::at(state_of(slots[it.slot]), R), after);
+      fns.chunk(args.of_request(c.b), c, PartialState::at(state_of(slots[it.slot]), R), after);
     } else {
       // One state for all requests' rows, then each request's rows to its own
       // slot, where they merge with its other chunks as split-K parts do.
