@@ -31,6 +31,7 @@ KERNEL_TESTS = [
     "tests/ops/test_paged_decode.py",
     "tests/ops/test_paged_adversarial.py",
     "tests/ops/test_quantized_attention.py",
+    "tests/ops/test_ragged_decode.py",
 ]
 
 
