@@ -97,8 +97,22 @@ void check_options(const std::string& op, const DecodeShape& d, const mx::array&
       fail_argument(op, "sinks must have a floating dtype, got " + dtype_str(o.sinks->dtype()) + ".");
     }
   }
+  if (o.ring_offset) {
+    const mx::array& r = *o.ring_offset;
+    if (!(r.ndim() == 0 || (r.ndim() == 1 && r.shape(0) == d.B)) || !mx::issubdtype(r.dtype(), mx::integer)) {
+      fail_argument(op, "ring_offset must be an int or an integer [B] = (" + std::to_string(d.B) +
+                    ",) array, got " + (r.ndim() == 0 ? "a scalar" : "shape " + shape_str(r)) + " of " +
+                    dtype_str(r.dtype()) + ".");
+    }
+  }
   if (o.scale && !std::isfinite(*o.scale)) {
     fail_argument(op, "scale must be finite, got " + std::to_string(*o.scale) + ".");
+  }
+}
+
+void reject_ring(const std::string& op, const DecodeOptions& options) {
+  if (options.ring_offset) {
+    fail_argument(op, "ring_offset is an option of the dense layout (batched_decode_attention) only.");
   }
 }
 
@@ -139,6 +153,13 @@ mx::array positions_as_int32(const mx::array& positions, int T, mx::StreamOrDevi
     return mx::astype(mx::clip(positions, mx::array(0, t), mx::array(T, t), s), mx::int32, s);
   }
   return mx::astype(positions, mx::int32, s);
+}
+
+mx::array ring_offsets_as_int32(const mx::array& ring_offset, int B, int T, mx::StreamOrDevice s) {
+  const mx::Dtype t = ring_offset.dtype();
+  // Python's modulo (never negative), with T = 0 (no key to read) as 1.
+  auto wrapped = mx::remainder(ring_offset, mx::array(std::max(T, 1), t), s);
+  return mx::broadcast_to(mx::astype(wrapped, mx::int32, s), {B}, s);
 }
 
 float resolve_scale(std::optional<float> scale, int head_dim) {

@@ -28,10 +28,12 @@ DecodeShape check_arguments(const mx::array& queries, const mx::array& keys, con
 // of its messages). check_queries: queries [B, H_q, L >= 1, D] of a supported
 // dtype; its B, H_q, L and D. check_heads, once H_kv is set: H_q a positive
 // multiple of H_kv (sets G) and D in [1, kMaxHeadDim]. check_options: the
-// per-request positions, window, sinks and scale.
+// per-request positions, window, sinks, ring offset and scale; reject_ring:
+// the error of a layout that takes no ring_offset.
 DecodeShape check_queries(const std::string& op, const mx::array& queries);
 void check_heads(const std::string& op, DecodeShape& d);
 void check_options(const std::string& op, const DecodeShape& d, const mx::array& valid_lens, const DecodeOptions& options);
+void reject_ring(const std::string& op, const DecodeOptions& options);
 
 // Throws std::invalid_argument("[op] what").
 [[noreturn]] void fail_argument(const std::string& op, const std::string& what);
@@ -45,6 +47,10 @@ bool is_supported_dtype(mx::Dtype t);
 // dtypes are clamped to [0, T] first, so that 2^32 + 2 means "all of T"
 // rather than wrapping to 2.
 mx::array positions_as_int32(const mx::array& positions, int T, mx::StreamOrDevice s);
+
+// A ring offset (an integer scalar or [B]) as int32 [B] in [0, T): taken
+// modulo T in its own dtype first, so that offsets of any size wrap exactly.
+mx::array ring_offsets_as_int32(const mx::array& ring_offset, int B, int T, mx::StreamOrDevice s);
 
 // The scale to use: the given one or 1/sqrt(D).
 float resolve_scale(std::optional<float> scale, int head_dim);

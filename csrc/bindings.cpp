@@ -32,6 +32,24 @@ mbd::DecodeOptions options(std::optional<float> scale, OptionalArray kv_starts, 
   return {scale, std::move(kv_starts), window, std::move(sinks)};
 }
 
+// The dense ops' ring_offset: an int (as a scalar array) or an array; the
+// op checks the array's shape and dtype.
+OptionalArray ring_array(const char* op, const nb::object& ring_offset) {
+  if (ring_offset.is_none()) {
+    return std::nullopt;
+  }
+  if (nb::isinstance<mx::array>(ring_offset)) {
+    return nb::cast<mx::array>(ring_offset);
+  }
+  int64_t offset;
+  if (!nb::isinstance<nb::int_>(ring_offset) || !nb::try_cast(ring_offset, offset)) {
+    throw nb::value_error((std::string("[") + op + "] ring_offset must be an int or an integer [B] array, got " +
+                           nb::type_name(ring_offset.type()).c_str() + ".")
+                              .c_str());
+  }
+  return mx::array(offset, mx::int64);
+}
+
 } // namespace
 
 NB_MODULE(_ext, m) {
@@ -42,8 +60,11 @@ NB_MODULE(_ext, m) {
   m.def(
       "batched_decode_attention",
       [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& lens, std::optional<float> scale,
-         OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks, mx::StreamOrDevice s) {
-        return mbd::batched_decode_attention(q, k, v, lens, options(scale, kv_starts, window, sinks), s);
+         OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks, const nb::object& ring_offset,
+         mx::StreamOrDevice s) {
+        mbd::DecodeOptions o = options(scale, kv_starts, window, sinks);
+        o.ring_offset = ring_array("batched_decode_attention", ring_offset);
+        return mbd::batched_decode_attention(q, k, v, lens, o, s);
       },
       "queries"_a,
       "keys"_a,
@@ -54,12 +75,13 @@ NB_MODULE(_ext, m) {
       "kv_starts"_a = nb::none(),
       "window"_a = nb::none(),
       "sinks"_a = nb::none(),
+      "ring_offset"_a = nb::none(),
       "stream"_a = nb::none(),
       nb::sig(
           "def batched_decode_attention(queries: mlx.core.array, keys: mlx.core.array, "
           "values: mlx.core.array, valid_lens: mlx.core.array, *, scale: float | None = None, "
           "kv_starts: mlx.core.array | None = None, window: int | None = None, "
-          "sinks: mlx.core.array | None = None, "
+          "sinks: mlx.core.array | None = None, ring_offset: int | mlx.core.array | None = None, "
           "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
       R"(Batched decode attention over per-request key/value ranges.
 
@@ -86,6 +108,12 @@ Args:
     sinks (array, optional): [H_q], floating: a per-head logit that joins
         each row's softmax denominator and adds nothing to the output, as
         ``mx.fast.scaled_dot_product_attention``'s ``sinks``.
+    ring_offset (int or array, optional): an int or [B] integer array: the
+        T positions are a ring (mlx-lm's ``RotatingKVCache`` once it wraps),
+        and logical position j of request b is stored in slot
+        (j + ring_offset[b]) mod T. ``valid_lens``, ``kv_starts``, ``window``
+        and the rows' positions stay logical (time order). Offsets of any
+        size, negative ones included, are taken modulo T.
     stream (Stream or Device, optional): where to run, keyword only.
 
 Returns:
@@ -168,8 +196,11 @@ Raises:
   m.def(
       "reference_attention",
       [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& lens, std::optional<float> scale,
-         OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks, mx::StreamOrDevice s) {
-        return mbd::reference_attention(q, k, v, lens, options(scale, kv_starts, window, sinks), s);
+         OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks, const nb::object& ring_offset,
+         mx::StreamOrDevice s) {
+        mbd::DecodeOptions o = options(scale, kv_starts, window, sinks);
+        o.ring_offset = ring_array("reference_attention", ring_offset);
+        return mbd::reference_attention(q, k, v, lens, o, s);
       },
       "queries"_a,
       "keys"_a,
@@ -180,12 +211,13 @@ Raises:
       "kv_starts"_a = nb::none(),
       "window"_a = nb::none(),
       "sinks"_a = nb::none(),
+      "ring_offset"_a = nb::none(),
       "stream"_a = nb::none(),
       nb::sig(
           "def reference_attention(queries: mlx.core.array, keys: mlx.core.array, "
           "values: mlx.core.array, valid_lens: mlx.core.array, *, scale: float | None = None, "
           "kv_starts: mlx.core.array | None = None, window: int | None = None, "
-          "sinks: mlx.core.array | None = None, "
+          "sinks: mlx.core.array | None = None, ring_offset: int | mlx.core.array | None = None, "
           "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
       R"(``batched_decode_attention`` in plain MLX ops (float32 softmax with a
 mask of each row's key range). Same arguments, shapes and errors; slower,

@@ -18,11 +18,15 @@ namespace mx = mlx::core;
 //   kv_starts  [B] integer: the first key of each request, clamped to [0, T]
 //   window     >= 1: a row attends at most its last `window` keys
 //   sinks      [H_q] floating: a per-head logit in every row's softmax denominator
+//   ring_offset  [B] integer or a scalar (dense layout only): the cache's T
+//              positions are a ring, logical position j of request b in slot
+//              (j + ring_offset[b]) mod T
 struct DecodeOptions {
   std::optional<float> scale;
   std::optional<mx::array> kv_starts;
   std::optional<int> window;
   std::optional<mx::array> sinks;
+  std::optional<mx::array> ring_offset;
 };
 
 // What a primitive of the family keeps of its call (is_equivalent compares it).
@@ -33,9 +37,10 @@ struct DecodeAttributes {
   bool has_sinks;
   int group_size = 0; // quantized rows only
   int bits = 0; // quantized rows only; 0: rows of the queries' dtype
+  bool has_ring_offset = false;
 
   auto tie() const {
-    return std::tie(scale, window, has_kv_starts, has_sinks, group_size, bits);
+    return std::tie(scale, window, has_kv_starts, has_sinks, group_size, bits, has_ring_offset);
   }
   bool operator==(const DecodeAttributes& o) const {
     return tie() == o.tie();

@@ -50,6 +50,9 @@ DecodeOptions DecodePrimitive::options(const std::vector<mx::array>& inputs) con
   if (const mx::array* s = sinks(inputs)) {
     o.sinks = *s;
   }
+  if (const mx::array* r = ring_offset(inputs)) {
+    o.ring_offset = *r;
+  }
   return o;
 }
 
@@ -94,9 +97,12 @@ DecodeCall decode_call(const char* op, std::vector<mx::array> rows, const mx::ar
   if (options.sinks) {
     inputs.push_back(mx::astype(*options.sinks, mx::float32, stream));
   }
+  if (options.ring_offset) {
+    inputs.push_back(ring_offsets_as_int32(*options.ring_offset, inputs[0].shape(0), T, stream));
+  }
   const DecodeAttributes attributes{
       resolve_scale(options.scale, D), options.window.value_or(0), options.kv_starts.has_value(),
-      options.sinks.has_value(), group_size, bits};
+      options.sinks.has_value(), group_size, bits, options.ring_offset.has_value()};
   return {stream, attributes, std::move(inputs)};
 }
 

@@ -4,8 +4,9 @@
 //
 // Inputs of every primitive: the queries, the layout's row arrays (dense
 // keys and values, paged pools and block tables, quantized triples), then
-// valid_lens (int32 [B]), kv_starts (int32 [B]) if has_kv_starts and sinks
-// (float32 [H_q]) if has_sinks. eval_cpu lives in cpu/, eval_gpu in metal/.
+// valid_lens (int32 [B]), kv_starts (int32 [B]) if has_kv_starts, sinks
+// (float32 [H_q]) if has_sinks and ring_offset (int32 [B], in [0, T)) if
+// has_ring_offset. eval_cpu lives in cpu/, eval_gpu in metal/.
 #pragma once
 
 #include <array>
@@ -84,6 +85,11 @@ class DecodePrimitive : public mx::UnaryPrimitive {
   }
   const mx::array* sinks(const std::vector<mx::array>& inputs) const {
     return attributes_.has_sinks ? &inputs[lens_index_ + 1 + attributes_.has_kv_starts] : nullptr;
+  }
+  const mx::array* ring_offset(const std::vector<mx::array>& inputs) const {
+    return attributes_.has_ring_offset
+        ? &inputs[lens_index_ + 1 + attributes_.has_kv_starts + attributes_.has_sinks]
+        : nullptr;
   }
   // The call's options as the references take them.
   DecodeOptions options(const std::vector<mx::array>& inputs) const;
@@ -174,7 +180,7 @@ class RaggedDecodeAttention : public DecodePrimitive {
 // A call of op `op` (the prefix of its errors) as a primitive's inputs and
 // attributes: rows are the queries and the layout's row arrays; valid_lens
 // and kv_starts go in as int32 (the kernels clamp them to [0, T]), sinks as
-// float32. A GPU stream in a build without Metal is an invalid_argument.
+// float32, ring_offset as int32 [B] taken modulo T. A GPU stream in a build without Metal is an invalid_argument.
 struct DecodeCall {
   mx::Stream stream;
   DecodeAttributes attributes;

@@ -56,6 +56,7 @@ PagedShape check_paged_arguments(const mx::array& queries, const mx::array& key_
   if (options.kv_starts) {
     fail("kv_starts is not an option of the paged layout: a request's table starts at its first key.");
   }
+  reject_ring(kOp, options);
   check_options(kOp, d, valid_lens, options);
   p.d = d;
   return p;

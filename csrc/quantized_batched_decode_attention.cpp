@@ -79,6 +79,7 @@ DecodeShape check_quantized_arguments(const mx::array& queries, const std::vecto
          dtype_str(values[1].dtype()) + ".");
   }
   check_heads(kOp, d);
+  reject_ring(kOp, options);
   check_options(kOp, d, valid_lens, options);
   return d;
 }

@@ -68,6 +68,7 @@ RaggedShape check_ragged_arguments(const mx::array& queries, const std::vector<m
   }
   d.T = *std::max_element(r.lengths.begin(), r.lengths.end());
   check_heads(kOp, d);
+  reject_ring(kOp, options);
   check_options(kOp, d, ragged_lengths(valid_lens, r), options);
   return r;
 }

@@ -1,6 +1,8 @@
 // reference_attention: the contract of batched_decode_attention in plain MLX
 // ops, in float32. Used as ground truth and as the primitive's fallback.
+#include <algorithm>
 #include <limits>
+#include <tuple>
 
 #include "arguments.h"
 #include "batched_decode_attention.h"
@@ -20,14 +22,26 @@ mx::array clamped_positions(const mx::array& positions, int T, mx::StreamOrDevic
 
 mx::array reference_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
                               const mx::array& valid_lens, const DecodeOptions& options, mx::StreamOrDevice s) {
-  check_arguments(queries, keys, values, valid_lens, options);
-  return masked_reference_attention(queries, keys, values, valid_lens, options, std::nullopt, s);
+  const DecodeShape d = check_arguments(queries, keys, values, valid_lens, options);
+  if (!options.ring_offset) {
+    return masked_reference_attention(queries, keys, values, valid_lens, options, std::nullopt, s);
+  }
+  // A ring's positions in time order: logical position j of request b is slot (j + offset_b) mod T.
+  auto offsets = mx::reshape(ring_offsets_as_int32(*options.ring_offset, d.B, d.T, s), {d.B, 1, 1, 1}, s);
+  auto slots = mx::remainder(mx::add(mx::reshape(mx::arange(d.T, mx::int32, s), {1, 1, d.T, 1}, s), offsets, s),
+                             mx::array(std::max(d.T, 1)), s);
+  slots = mx::stop_gradient(mx::broadcast_to(slots, {d.B, d.H_kv, d.T, 1}, s), s);
+  DecodeOptions logical = options;
+  logical.ring_offset.reset();
+  return masked_reference_attention(queries, mx::take_along_axis(keys, slots, 2, s),
+                                    mx::take_along_axis(values, slots, 2, s), valid_lens, logical, std::nullopt, s);
 }
 
 mx::array masked_reference_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
                                      const mx::array& valid_lens, const DecodeOptions& options,
                                      const std::optional<mx::array>& key_mask, mx::StreamOrDevice s) {
-  const auto& [scale, kv_starts, window, sinks] = options;
+  // Positions are logical here: the ring, if any, was undone by the caller.
+  const auto& [scale, kv_starts, window, sinks] = std::tie(options.scale, options.kv_starts, options.window, options.sinks);
   const DecodeShape d{queries.shape(0), queries.shape(1), keys.shape(1), queries.shape(1) / keys.shape(1),
                       queries.shape(2), keys.shape(2),    queries.shape(3)};
   const float sc = resolve_scale(scale, d.D);

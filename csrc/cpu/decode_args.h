@@ -70,6 +70,10 @@ struct RequestRows {
 // row, dim}, T = max_blocks * block_size, and position j of request b is row
 // j % block_size of page block_tables[b, j / block_size] (see row_source.h).
 //
+// Ring (ring_offsets not null; dense layout): logical position j of request
+// b is stored at slot (j + ring_offsets[b]) mod T; ranges stay logical, and
+// the plan cuts each request's keys where they wrap (Chunk::shift).
+//
 // Ragged layout (requests not null): keys, values and their strides are
 // request b's (RequestRows) in of_request(b), the description a work item of
 // request b runs on; T is the longest length.
@@ -84,6 +88,7 @@ struct DecodeArgs {
   const int32_t* valid_lens; // [B], clamped to [0, T] by the kernel
   const int32_t* kv_starts; // [B] or null (0), clamped to [0, T] by the kernel
   const float* sinks; // [H_q] or null
+  const int32_t* ring_offsets = nullptr; // [B] or null, in [0, T) (the op takes them modulo T)
   void* out; // [B, H_q, L, D], row contiguous
   Dtype dtype;
   int B, H_q, H_kv, G, L, T, D;
@@ -95,6 +100,7 @@ struct DecodeArgs {
   int64_t lens_stride;
   int64_t starts_stride;
   int64_t sinks_stride;
+  int64_t ring_stride = 0;
   float scale;
   QuantizedRows quant; // bits == 0 for dense keys and values
   bool amx_tiles = false; // the AMX variant: 16-bit blocks may run on AMX tiles
@@ -109,6 +115,15 @@ struct DecodeArgs {
   }
   int start(int b) const {
     return kv_starts ? clamp_position(kv_starts[b * starts_stride]) : 0;
+  }
+  // Where logical position 0 of request b is stored, in [0, T): taken modulo T
+  // again, so that no offset, however wrong, moves a read out of the ring.
+  int ring_slot(int b) const {
+    if (ring_offsets == nullptr || T <= 0) {
+      return 0;
+    }
+    const int64_t r = ring_offsets[b * ring_stride] % T;
+    return static_cast<int>(r < 0 ? r + T : r);
   }
   // Row i of request b sits at p = len - L + i and attends max(start, p - window + 1, 0) .. p.
   KeyRange row_range(int len, int start, int i) const {
@@ -172,10 +187,14 @@ struct PartialState {
 // it may serve several requests whose tables hold the same pages over
 // [t0, t1) (a shared prefix): members[0 .. count), b == members[0], each
 // request's rows masked to their own ranges; null members means b alone.
+//
+// shift: the slot of position t is t + shift (a ring's chunk lies on one side
+// of its wrap); 0 for every other layout.
 struct Chunk {
   int b, h, t0, t1;
   const int* members = nullptr;
   int count = 1;
+  int shift = 0;
 
   int request(int m) const {
     return members ? members[m] : b;

@@ -214,7 +214,7 @@ Lookahead successor_rows(const DecodeArgs& a, const int64_t* stride, const Chunk
     return {};
   }
   const int64_t offset = int64_t{next->b - c.b} * stride[0] + int64_t{next->h - c.h} * stride[1] +
-      int64_t{next->t0 - t} * stride[2];
+      int64_t{next->t0 + next->shift - t - c.shift} * stride[2];
   return {offset, std::min(kBlock, next->t1 - next->t0)};
 }
 
@@ -609,8 +609,8 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
   }
 
   // The members' tables hold the same pages over [t0, t1): the first one's is read.
-  const RowSource<T> ks = row_source<T>(a, a.keys, a.k_stride, c.b, c.h);
-  const RowSource<T> vs = row_source<T>(a, a.values, a.v_stride, c.b, c.h);
+  const RowSource<T> ks = row_source<T>(a, a.keys, a.k_stride, c.b, c.h, c.shift);
+  const RowSource<T> vs = row_source<T>(a, a.values, a.v_stride, c.b, c.h, c.shift);
   T* block = s.block.data();
   const T* rows[kBlock];
   int64_t k_ahead[kBlock], v_ahead[kBlock]; // a paged source's successor offsets (Lookahead)

@@ -33,6 +33,7 @@ cpu::DecodeArgs describe(const DecodePrimitive& p, const std::vector<mx::array>&
   const mx::array& lens = p.valid_lens(inputs);
   const mx::array* starts = p.kv_starts(inputs);
   const mx::array* sinks = p.sinks(inputs);
+  const mx::array* ring = p.ring_offset(inputs);
   out.set_data(mx::allocator::malloc(out.nbytes()));
 
   cpu::DecodeArgs a{};
@@ -64,6 +65,8 @@ cpu::DecodeArgs describe(const DecodePrimitive& p, const std::vector<mx::array>&
   a.lens_stride = lens.strides(0);
   a.starts_stride = starts ? starts->strides(0) : 0;
   a.sinks_stride = sinks ? sinks->strides(0) : 0;
+  a.ring_offsets = ring ? ring->data<int32_t>() : nullptr;
+  a.ring_stride = ring ? ring->strides(0) : 0;
   a.scale = p.attributes().scale;
   if (const mx::array* tables = rows.block_tables) {
     a.block_tables = tables->data<int32_t>();

@@ -123,14 +123,29 @@ struct Call {
   }
 };
 
+// The pieces of a request's keys, at most kChunk each, each on one side of a
+// ring's wrap (logical position wrap = T - slot of position 0 is stored at slot 0).
+std::vector<Chunk> dense_pieces(const DecodeArgs& a, int b, KeyRange keys) {
+  const int slot = a.ring_slot(b), wrap = a.T - slot;
+  std::vector<Chunk> pieces;
+  for (int t = keys.lo; t < keys.hi;) {
+    int end = std::min(keys.hi, t + kChunk);
+    if (t < wrap && end > wrap) {
+      end = wrap;
+    }
+    pieces.push_back({b, 0, t, end, nullptr, 1, t < wrap ? slot : slot - a.T});
+    t = end;
+  }
+  return pieces;
+}
+
 // Items of a dense call: each request's keys in chunks of kChunk from its first one.
 void plan_dense(const DecodeArgs& a, Call& call) {
   int64_t total = 0;
   for (int b = 0; b < a.B; ++b) {
     // Only the keys some query row attends are read: a window or a start skips the rest.
-    const KeyRange keys = a.request_range(b);
-    const int n = std::max(0, keys.hi - keys.lo);
-    const int chunks = (n + kChunk - 1) / kChunk;
+    const std::vector<Chunk> pieces = dense_pieces(a, b, a.request_range(b));
+    const int chunks = static_cast<int>(pieces.size());
     for (int h = 0; h < a.H_kv; ++h) {
       const int64_t pair = static_cast<int64_t>(b) * a.H_kv + h;
       call.parts_begin[pair] = total;
@@ -140,8 +155,9 @@ void plan_dense(const DecodeArgs& a, Call& call) {
         call.items.push_back({{b, h, 0, 0}, -1});
       }
       for (int c = 0; c < chunks; ++c) {
-        const int t0 = keys.lo + c * kChunk;
-        call.items.push_back({{b, h, t0, std::min(keys.hi, t0 + kChunk)}, static_cast<int64_t>(call.slots.size())});
+        Chunk piece = pieces[c];
+        piece.h = h;
+        call.items.push_back({piece, static_cast<int64_t>(call.slots.size())});
         call.slots.push_back({pair, c});
       }
     }

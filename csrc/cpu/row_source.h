@@ -58,12 +58,12 @@ struct RowSource {
 };
 
 // The rows of request b, KV head h, in `data` with `stride` (a.keys with
-// a.k_stride, or a.values with a.v_stride).
+// a.k_stride, or a.values with a.v_stride); position t at slot t + shift.
 template <typename T>
-RowSource<T> row_source(const DecodeArgs& a, const void* data, const int64_t* stride, int b, int h) {
+RowSource<T> row_source(const DecodeArgs& a, const void* data, const int64_t* stride, int b, int h, int shift = 0) {
   const T* pool = static_cast<const T*>(data) + h * stride[1];
   if (a.block_tables == nullptr) {
-    return {pool + b * stride[0], stride};
+    return {pool + b * stride[0] + shift * stride[2], stride};
   }
   return {pool, stride, a.block_tables + b * a.table_stride[0], a.table_stride[1], a.block_size, a.num_blocks};
 }

@@ -2,7 +2,7 @@
 
 A driver in tests/kernels/cpu/asan/ calls ``run_decode`` on exact-size heap buffers, so a read
 outside one is reported. Objects are cached in build/cpu-asan; a mutant build compiles the kernel
-with copies of its headers from a directory searched before csrc/.
+with copies of some of its files, the headers among them found before csrc/'s.
 """
 
 import pathlib
@@ -41,26 +41,32 @@ def compile_object(source, out_dir=BUILD, includes=()):
     return obj
 
 
-def build_driver(name, mutant_headers=None):
-    """The driver tests/kernels/cpu/asan/<name>.cpp linked with the kernel; mutant_headers maps
-    a header's path under csrc/ to the text its copy holds (then every kernel file is rebuilt
-    with it)."""
+def build_driver(name, mutant=None):
+    """The driver tests/kernels/cpu/asan/<name>.cpp linked with the kernel; mutant maps a
+    kernel file's path under csrc/ (a header or a source) to the text its copy holds, and then
+    the kernel sources it may change are rebuilt with the copies."""
     BUILD.mkdir(parents=True, exist_ok=True)
     sources = [DRIVERS / f"{name}.cpp", *KERNEL]
     with ThreadPoolExecutor(2) as pool:  # at most 2 compiler jobs on the shared machine
         objects = list(pool.map(compile_object, sources))
     out = BUILD / name
-    if mutant_headers:
-        mutant = BUILD / f"{name}-mutant"
-        for path, text in mutant_headers.items():
-            (mutant / path).parent.mkdir(parents=True, exist_ok=True)
-            (mutant / path).write_text(text)
-        (mutant / "obj").mkdir(exist_ok=True)
+    if mutant:
+        copies = BUILD / f"{name}-mutant"
+        for path, text in mutant.items():
+            (copies / path).parent.mkdir(parents=True, exist_ok=True)
+            (copies / path).write_text(text)
+        (copies / "obj").mkdir(exist_ok=True)
         # Rebuilt every time: the cache cannot tell one mutant from another.
-        for stale in (mutant / "obj").glob("*.o"):
+        for stale in (copies / "obj").glob("*.o"):
             stale.unlink()
-        objects[1:] = [compile_object(source, mutant / "obj", includes=[mutant]) for source in KERNEL]
-        out = mutant / "driver"
+        headers = any(path.endswith(".h") for path in mutant)
+        for i, source in enumerate(KERNEL, start=1):
+            path = str(source.relative_to(REPO / "csrc"))
+            # A changed header may change every source; a changed source only itself.
+            if headers or path in mutant:
+                copy = copies / path if path in mutant else source
+                objects[i] = compile_object(copy, copies / "obj", includes=[copies])
+        out = copies / "driver"
     done = subprocess.run(["g++", "-fsanitize=address,undefined", *map(str, objects), "-o", str(out), "-lpthread"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]

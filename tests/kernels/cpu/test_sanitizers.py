@@ -32,6 +32,7 @@ KERNEL_TESTS = [
     "tests/ops/test_paged_adversarial.py",
     "tests/ops/test_quantized_attention.py",
     "tests/ops/test_ragged_decode.py",
+    "tests/ops/test_ring_offset.py",
 ]
 
 
