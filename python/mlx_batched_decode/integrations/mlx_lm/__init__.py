@@ -1,8 +1,8 @@
 """The mlx-lm plug-in's code; its public entry is ``mlx_batched_decode.mlx_lm``, which documents it.
 
 ``patches`` (``enable``/``disable``: what is replaced in mlx-lm, in memory), ``routing`` (which
-attention calls the op serves), ``mask_tags`` (which keys a decode mask allows) and ``server``
-(``python -m mlx_batched_decode.serve``).
+attention calls the op serves), ``mask_tags`` (which keys a decode mask allows), ``server``
+(``python -m mlx_batched_decode.serve``) and ``listen_backlog`` (its listen queue).
 """
 
 from .patches import MLX_LM_VERSION, disable, enable, enabled, is_enabled, stats

@@ -1,8 +1,8 @@
 """The logic of ``python -m mlx_batched_decode.serve``: mlx-lm's server with the plug-in enabled.
 
 ``main`` takes exactly the arguments of ``mlx_lm.server`` and runs its ``main()`` after
-``enable()``; on SIGINT it prints ``report(stats())``, where the attention calls ran, before
-mlx-lm's server shuts down.
+``enable()``, with a listen backlog that holds a burst of clients (``listen_backlog``); on SIGINT
+it prints ``report(stats())``, where the attention calls ran, before mlx-lm's server shuts down.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import signal
 import sys
 
 from . import patches as plugin
+from .listen_backlog import wide_listen_backlog
 from .routing import PluginStats
 
 PROG = "python -m mlx_batched_decode.serve"
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     previous = signal.signal(signal.SIGINT, report_and_interrupt)
     try:
-        server.main()
+        with wide_listen_backlog():
+            server.main()
     finally:
         signal.signal(signal.SIGINT, previous)
         plugin.disable()
