@@ -189,12 +189,17 @@ struct PartialState {
 // request's rows masked to their own ranges; null members means b alone.
 //
 // shift: the slot of position t is t + shift (a ring's chunk lies on one side
-// of its wrap); 0 for every other layout.
+// of its wrap); 0 for every other layout. heads: the item covers KV heads
+// [h, h + heads), at most kMaxItemHeads: rows whose heads lie side by side
+// (token-major) are then read whole, each block for every head in turn.
+inline constexpr int kMaxItemHeads = 16;
+
 struct Chunk {
   int b, h, t0, t1;
   const int* members = nullptr;
   int count = 1;
   int shift = 0;
+  int heads = 1;
 
   int request(int m) const {
     return members ? members[m] : b;
@@ -202,10 +207,11 @@ struct Chunk {
 };
 
 // Attends the query rows of c's count requests (R = G * L each, request m's
-// at rows m * R ..) to keys [c.t0, c.t1) of head c.h and stores the state.
-// next, if not null, is the chunk this thread runs after it: its first
-// rows are requested from memory while this one ends.
-using ChunkFn = void (*)(const DecodeArgs&, const Chunk& c, PartialState, const Chunk* next);
+// at rows m * R ..) to keys [c.t0, c.t1) of heads c.h .. c.h + c.heads - 1
+// and stores the states, states[i] head c.h + i's. next, if not null, is the
+// chunk this thread runs after it: its first rows are requested from memory
+// while this one ends.
+using ChunkFn = void (*)(const DecodeArgs&, const Chunk& c, PartialState* states, const Chunk* next);
 // Merges the n partial states stored back to back at parts and writes the R
 // output rows of (b, h); n == 0 (no key in any row) writes zeros.
 using FinalizeFn = void (*)(const DecodeArgs&, int b, int h, float* parts, int n);

@@ -258,24 +258,25 @@ const T* query_row(const DecodeArgs& a, const Chunk& c, int r) {
       static_cast<int64_t>(c.h * a.G + g) * a.q_stride[1] + i * a.q_stride[2];
 }
 
-// Loads the query rows of work item c into the scratch: scaled float32 rows
-// [count * R, Dp] (unscaled T rows for Raw, the kBf16Dot keys), zero-padded past D.
+// Loads the query rows of work item c (one head) into q: scaled float32 rows
+// [count * R, Dp] (unscaled T rows into q_raw for Raw, the kBf16Dot keys),
+// zero-padded past D.
 template <typename T, int D, bool Raw = kBf16Dot<T>>
-void load_queries(const DecodeArgs& a, const Chunk& c, Scratch<T>& s) {
+void load_queries(const DecodeArgs& a, const Chunk& c, float* q, T* q_raw) {
   const int Dp = D ? D : a.Dp;
   for (int r = 0; r < c.count * a.rows(); ++r) {
     const T* qr = query_row<T>(a, c, r);
     if constexpr (Raw) {
       for (int e = 0; e < Dp; ++e) {
-        s.q_raw[r * Dp + e] = e < a.D ? qr[e * a.q_stride[3]] : T(0.0f);
+        q_raw[r * Dp + e] = e < a.D ? qr[e * a.q_stride[3]] : T(0.0f);
       }
     } else if (D != 0 && a.q_stride[3] == 1) {
       for (int e = 0; e < D; e += 8) {
-        store8(s.q.data() + r * D + e, load8(qr + e) * splat(a.scale));
+        store8(q + r * D + e, load8(qr + e) * splat(a.scale));
       }
     } else {
       for (int e = 0; e < Dp; ++e) {
-        s.q[r * Dp + e] = e < a.D ? static_cast<float>(qr[e * a.q_stride[3]]) * a.scale : 0.0f;
+        q[r * Dp + e] = e < a.D ? static_cast<float>(qr[e * a.q_stride[3]]) * a.scale : 0.0f;
       }
     }
   }
@@ -577,48 +578,73 @@ void accumulate_quantized_block(const DecodeArgs& a, int b, int h, int t, int n,
   }
 }
 
+// One KV head of a work item: where its key and value rows live, its
+// partial state and its query rows in the scratch (scaled float32 qs, or raw
+// q_raw for kBf16Dot), loaded at the first block the vector path takes.
+template <typename T>
+struct HeadPass {
+  Chunk c; // c.h: this head
+  RowSource<T> ks, vs;
+  PartialState st;
+  float* qs;
+  T* q_raw;
+  bool vector_queries = false;
+};
+
 // Attends the R query rows of one work item over its keys, 32 at a time:
 // scores, the online softmax and the weighted values, with the rows read
 // from a RowSource, dense strided views or pages of a pool (Bits == 0; T, the
 // queries' dtype), or from the packed integers of a quantized cache (Bits 4
-// or 8, see QuantizedRows; dense only).
+// or 8, see QuantizedRows; dense only). An item of c.heads > 1 KV heads (rows
+// whose heads lie side by side, never quantized or on tiles) runs each block
+// for every head in turn, so that whole rows stream in: states[i] is head
+// c.h + i's.
 template <typename T, int D, int Bits = 0>
-void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Chunk* next) {
+void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, const Chunk* next) {
   const int t0 = c.t0, t1 = c.t1;
   // Rows of all c.count requests; their L row ranges each are lines = count * L.
   const int R = c.count * a.rows(), L = a.L, lines = c.count * L;
   const int Dp = D ? D : a.Dp;
   Scratch<T>& s = tls_scratch<T>;
-  s.reserve(R, lines, Dp);
-  float* qs = s.q.data();
+  s.reserve(R * c.heads, lines, Dp);
   float* scores = s.scores.data();
   float* alpha = s.alpha.data();
   uint32_t* masks = s.masks.data();
 
-  // The allocated rows past R too: the AMX path computes on whole groups of 16.
-  for (int r = 0; r < PartialState::rows(R); ++r) {
-    st.m[r] = kNegInf;
-    st.l[r] = 0.0f;
-    std::fill_n(st.acc + r * Dp, Dp, 0.0f);
-  }
   for (int m = 0; m < c.count; ++m) {
     const int len = a.length(c.request(m)), start = a.start(c.request(m));
     for (int i = 0; i < L; ++i) {
       s.ranges[m * L + i] = a.row_range(len, start, i);
     }
   }
+  // At most kMaxItemHeads heads per item (parallel_decode.h).
+  HeadPass<T> passes[kMaxItemHeads];
+  for (int i = 0; i < c.heads; ++i) {
+    HeadPass<T>& pass = passes[i];
+    pass.c = c;
+    pass.c.h = c.h + i;
+    pass.c.heads = 1;
+    // The members' tables hold the same pages over [t0, t1): the first one's is read.
+    pass.ks = row_source<T>(a, a.keys, a.k_stride, c.b, pass.c.h, c.shift);
+    pass.vs = row_source<T>(a, a.values, a.v_stride, c.b, pass.c.h, c.shift);
+    pass.st = states[i];
+    pass.qs = s.q.data() + static_cast<int64_t>(i) * R * Dp;
+    pass.q_raw = kBf16Dot<T> ? s.q_raw.data() + static_cast<int64_t>(i) * R * Dp : nullptr;
+    // The allocated rows past R too: the AMX path computes on whole groups of 16.
+    for (int r = 0; r < PartialState::rows(R); ++r) {
+      pass.st.m[r] = kNegInf;
+      pass.st.l[r] = 0.0f;
+      std::fill_n(pass.st.acc + r * Dp, Dp, 0.0f);
+    }
+  }
 
-  // The members' tables hold the same pages over [t0, t1): the first one's is read.
-  const RowSource<T> ks = row_source<T>(a, a.keys, a.k_stride, c.b, c.h, c.shift);
-  const RowSource<T> vs = row_source<T>(a, a.values, a.v_stride, c.b, c.h, c.shift);
   T* block = s.block.data();
   const T* rows[kBlock];
   int64_t k_ahead[kBlock], v_ahead[kBlock]; // a paged source's successor offsets (Lookahead)
-  bool vector_queries = false;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   AmxItem<T>& tiles = tls_tiles<T>;
   if constexpr (kAmx<T> && Bits == 0) {
-    tiles.begin(a, c, Dp, s.ranges.data(), a.amx_tiles && R >= kAmxMinRows<T>);
+    tiles.begin(a, c, Dp, s.ranges.data(), a.amx_tiles && R >= kAmxMinRows<T> && c.heads == 1);
   }
 #endif
   QuantizedScratch& quantized = tls_quantized;
@@ -626,109 +652,123 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState st, const Ch
     const int groups = a.quant.groups(a.D);
     quantized.reserve(R, a.D * Bits / 32, groups);
     // Scaled float32 queries and their sums per group, the second term of q . k.
-    load_queries<T, D, false>(a, c, s);
-    vector_queries = true;
+    load_queries<T, D, false>(a, c, passes[0].qs, nullptr);
+    passes[0].vector_queries = true;
     for (int r = 0; r < R; ++r) {
       for (int g = 0; g < groups; ++g) {
-        const float* q = qs + r * Dp + g * a.quant.group_size;
+        const float* q = passes[0].qs + r * Dp + g * a.quant.group_size;
         quantized.qsum[r * groups + g] = std::accumulate(q, q + a.quant.group_size, 0.0f);
       }
     }
-  } else if (vs.paged()) {
-    // The first block's values are requested while its keys are scored, in
-    // case no previous chunk requested them.
-    vs.prefetch(t0, std::min(kBlock, t1 - t0), a.D);
-  } else if (!gathered<D>(a.v_stride)) {
-    prefetch_rows<T, D>(vs.base + t0 * a.v_stride[2], a.v_stride[2], std::min(kBlock, t1 - t0));
+  } else {
+    for (int i = 0; i < c.heads; ++i) {
+      const RowSource<T>& vs = passes[i].vs;
+      if (vs.paged()) {
+        // The first block's values are requested while its keys are scored, in
+        // case no previous chunk requested them.
+        vs.prefetch(t0, std::min(kBlock, t1 - t0), a.D);
+      } else if (!gathered<D>(a.v_stride)) {
+        prefetch_rows<T, D>(vs.base + t0 * a.v_stride[2], a.v_stride[2], std::min(kBlock, t1 - t0));
+      }
+    }
   }
   for (int t = t0; t < t1; t += kBlock) {
     const int n = std::min(kBlock, t1 - t);
-    // The next rows are requested from memory while this block is computed:
-    // hardware prefetchers stop at each 4 KiB page.
-    // Paged sources give their successors when their rows are loaded (load_block).
-    Lookahead k_next = successor_rows<D>(a, a.k_stride, c, t, n, next);
-    Lookahead v_next = successor_rows<D>(a, a.v_stride, c, t, n, next);
+    for (int i = 0; i < c.heads; ++i) {
+      HeadPass<T>& pass = passes[i];
+      const PartialState st = pass.st;
+      const RowSource<T>& ks = pass.ks;
+      const RowSource<T>& vs = pass.vs;
+      float* qs = pass.qs;
+      // The next rows are requested from memory while this block is computed:
+      // hardware prefetchers stop at each 4 KiB page. Each head requests its
+      // own rows of the next block; the last head's last block, the next item's.
+      // Paged sources give their successors when their rows are loaded (load_block).
+      const Chunk* following = i + 1 == c.heads ? next : nullptr;
+      Lookahead k_next = successor_rows<D>(a, a.k_stride, pass.c, t, n, following);
+      Lookahead v_next = successor_rows<D>(a, a.v_stride, pass.c, t, n, following);
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    if constexpr (kAmx<T> && Bits == 0) {
-      if (tiles.block(a, ks, vs, t, n, k_next, v_next, rows, st, [&](const RowSource<T>& src) {
-            return load_block<T, D>(a, src, t, n, t1, block, rows);
-          })) {
-        continue;
-      }
-    }
-#endif
-    // Loaded at the first block the vector path takes: with the tiles, maybe none.
-    if (!vector_queries) {
-      load_queries<T, D>(a, c, s);
-      vector_queries = true;
-    }
-    // Each key row is read once and scored against all R query rows, two at a
-    // time (four with the bfloat16 dot product).
-    uint32_t valid = n == 32 ? ~0u : (1u << n) - 1; // positions that hold a key
-    if constexpr (Bits != 0) {
-      score_quantized_block<Bits, D>(a, qs, c.b, c.h, t, n, t1, scores, quantized);
-    } else {
-      valid = load_block<T, D>(a, ks, t, n, t1, block, rows, &k_next, k_ahead);
-      for (int j = 0; j < n; j += 4) {
-        const Lookahead ahead{k_next.offset, k_next.rows - j, k_next.offsets ? k_next.offsets + j : nullptr};
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-        if constexpr (kBf16Dot<T>) {
-          for_row_tiles<4>(R, [&]<int H>(int r) {
-            dot_4_rows<Bf16Pairs, D, H>(s.q_raw.data() + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp,
-                                        r == 0 ? ahead : Lookahead{}, a.scale);
-          });
+      if constexpr (kAmx<T> && Bits == 0) {
+        if (tiles.block(a, ks, vs, t, n, k_next, v_next, rows, st, [&](const RowSource<T>& src) {
+              return load_block<T, D>(a, src, t, n, t1, block, rows);
+            })) {
           continue;
         }
-#endif
-        for_row_tiles<kScoreRows>(R, [&]<int H>(int r) {
-          dot_4_rows<VectorLanes, D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp,
-                                        r == 0 ? ahead : Lookahead{});
-        });
       }
-    }
+#endif
+      // Loaded at the first block the vector path takes: with the tiles, maybe none.
+      if (!pass.vector_queries) {
+        load_queries<T, D>(a, pass.c, qs, pass.q_raw);
+        pass.vector_queries = true;
+      }
+      // Each key row is read once and scored against all R query rows, two at a
+      // time (four with the bfloat16 dot product).
+      uint32_t valid = n == 32 ? ~0u : (1u << n) - 1; // positions that hold a key
+      if constexpr (Bits != 0) {
+        score_quantized_block<Bits, D>(a, qs, c.b, c.h, t, n, t1, scores, quantized);
+      } else {
+        valid = load_block<T, D>(a, ks, t, n, t1, block, rows, &k_next, k_ahead);
+        for (int j = 0; j < n; j += 4) {
+          const Lookahead ahead{k_next.offset, k_next.rows - j, k_next.offsets ? k_next.offsets + j : nullptr};
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+          if constexpr (kBf16Dot<T>) {
+            for_row_tiles<4>(R, [&]<int H>(int r) {
+              dot_4_rows<Bf16Pairs, D, H>(pass.q_raw + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp,
+                                          r == 0 ? ahead : Lookahead{}, a.scale);
+            });
+            continue;
+          }
+#endif
+          for_row_tiles<kScoreRows>(R, [&]<int H>(int r) {
+            dot_4_rows<VectorLanes, D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp,
+                                          r == 0 ? ahead : Lookahead{});
+          });
+        }
+      }
 
-    // Rows whose range cuts this block (L > 1: the rows' ends differ, and their
-    // window starts; requests sharing pages have their own ranges) take no
-    // score and no value from the keys outside it, nor from a position with no key.
-    const uint32_t all = n == 32 ? ~0u : (1u << n) - 1;
-    bool masked = false;
-    for (int i = 0; i < lines; ++i) {
-      masks[i] = block_mask(s.ranges[i], t, n) & valid;
-      masked |= masks[i] != all;
-    }
-    if (masked) {
-      // Row r reads line r / (G * L) * L + r % L <= r: descending keeps the lines it needs.
-      for (int r = R - 1; r >= 0; --r) {
-        masks[r] = masks[r / a.rows() * L + r % L];
-        for (int j = 0; j < n; ++j) {
-          if (!(masks[r] >> j & 1u)) {
-            scores[r * kBlock + j] = kNegInf;
+      // Rows whose range cuts this block (L > 1: the rows' ends differ, and their
+      // window starts; requests sharing pages have their own ranges) take no
+      // score and no value from the keys outside it, nor from a position with no key.
+      const uint32_t all = n == 32 ? ~0u : (1u << n) - 1;
+      bool masked = false;
+      for (int l = 0; l < lines; ++l) {
+        masks[l] = block_mask(s.ranges[l], t, n) & valid;
+        masked |= masks[l] != all;
+      }
+      if (masked) {
+        // Row r reads line r / (G * L) * L + r % L <= r: descending keeps the lines it needs.
+        for (int r = R - 1; r >= 0; --r) {
+          masks[r] = masks[r / a.rows() * L + r % L];
+          for (int j = 0; j < n; ++j) {
+            if (!(masks[r] >> j & 1u)) {
+              scores[r * kBlock + j] = kNegInf;
+            }
           }
         }
       }
-    }
-    for (int r = 0; r < R; ++r) {
-      alpha[r] = softmax_block(scores + r * kBlock, n, st.m[r], st.l[r]);
-    }
+      for (int r = 0; r < R; ++r) {
+        alpha[r] = softmax_block(scores + r * kBlock, n, st.m[r], st.l[r]);
+      }
 
-    if constexpr (Bits != 0) {
-      accumulate_quantized_block<Bits, D>(a, c.b, c.h, t, n, t1, scores, alpha, masks, masked, st.acc, quantized);
-      continue;
-    }
-    // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.
-    load_block<T, D>(a, vs, t, n, t1, block, rows, &v_next, v_ahead);
-    if (masked) {
+      if constexpr (Bits != 0) {
+        accumulate_quantized_block<Bits, D>(a, c.b, c.h, t, n, t1, scores, alpha, masks, masked, st.acc, quantized);
+        continue;
+      }
+      // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.
+      load_block<T, D>(a, vs, t, n, t1, block, rows, &v_next, v_ahead);
+      if (masked) {
+        for_row_tiles<4>(R, [&]<int H>(int r) {
+          accumulate_rows<VectorLanes, D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n,
+                                                   Dp, masks + r);
+        });
+        continue;
+      }
       for_row_tiles<4>(R, [&]<int H>(int r) {
-        accumulate_rows<VectorLanes, D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp,
-                                                 masks + r);
+        accumulate_rows<VectorLanes, D, H, false>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n,
+                                                  Dp, nullptr, r == 0 ? v_next : Lookahead{});
       });
-      continue;
     }
-    for_row_tiles<4>(R, [&]<int H>(int r) {
-      accumulate_rows<VectorLanes, D, H, false>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n, Dp,
-                                                nullptr, r == 0 ? v_next : Lookahead{});
-    });
   }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   if constexpr (kAmx<T> && Bits == 0) {

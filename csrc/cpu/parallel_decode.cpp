@@ -1,6 +1,7 @@
 #include "cpu/parallel_decode.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <memory>
 #include <stdexcept>
@@ -22,6 +23,11 @@ namespace {
 // Keys per work item: long requests are split (flash-decoding) so that one
 // request or a skewed batch still spreads over all cores.
 constexpr int kChunk = 512;
+// Keys per work item of several KV heads (item_heads).
+constexpr int kHeadsChunk = 256;
+// Query rows from which the AMX tiles may take a work item (the fewest of
+// decode_kernel.cpp's kAmxMinRows): such items keep one head each.
+constexpr int kAmxFewestRows = 8;
 // Query rows of one work item that serves several requests (shared pages):
 // the scratch of its queries and scores stays in L2.
 constexpr int kMaxSharedRows = 256;
@@ -79,31 +85,44 @@ struct Call {
       fns.finalize(args, c.b, c.h, nullptr, 0);
       return;
     }
+    // The item's slots are head-major: head c.h + i, member m at it.slot + i * count + m.
+    PartialState states[kMaxItemHeads];
     if (c.count == 1) {
-      fns.chunk(args.of_request(c.b), c, PartialState::at(state_of(slots[it.slot]), R), after);
+      for (int i = 0; i < c.heads; ++i) {
+        states[i] = PartialState::at(state_of(slots[it.slot + i]), R);
+      }
+      fns.chunk(args.of_request(c.b), c, states, after);
     } else {
-      // One state for all requests' rows, then each request's rows to its own
-      // slot, where they merge with its other chunks as split-K parts do.
+      // One state per head for all requests' rows, then each request's rows to
+      // its own slot, where they merge with its other chunks as split-K parts do.
       thread_local std::vector<float> shared;
       const int all_rows = c.count * R;
-      shared.resize(PartialState::size(all_rows, args.Dp));
-      const PartialState all = PartialState::at(shared.data(), all_rows);
-      fns.chunk(args, c, all, after);
-      for (int m = 0; m < c.count; ++m) {
-        const PartialState own = PartialState::at(state_of(slots[it.slot + m]), R);
-        std::copy_n(all.m + m * R, R, own.m);
-        std::copy_n(all.l + m * R, R, own.l);
-        std::copy_n(all.acc + static_cast<int64_t>(m) * R * args.Dp, static_cast<int64_t>(R) * args.Dp, own.acc);
+      const int64_t all_size = PartialState::size(all_rows, args.Dp);
+      shared.resize(all_size * c.heads);
+      for (int i = 0; i < c.heads; ++i) {
+        states[i] = PartialState::at(shared.data() + i * all_size, all_rows);
+      }
+      fns.chunk(args, c, states, after);
+      for (int i = 0; i < c.heads; ++i) {
+        for (int m = 0; m < c.count; ++m) {
+          const PartialState own = PartialState::at(state_of(slots[it.slot + i * c.count + m]), R);
+          std::copy_n(states[i].m + m * R, R, own.m);
+          std::copy_n(states[i].l + m * R, R, own.l);
+          std::copy_n(states[i].acc + static_cast<int64_t>(m) * R * args.Dp, static_cast<int64_t>(R) * args.Dp,
+                      own.acc);
+        }
       }
       g_shared_items.fetch_add(1, std::memory_order_relaxed);
     }
     // The last chunk of a pair to finish merges them; acq_rel makes the other
     // chunks' partial states visible to it.
-    for (int m = 0; m < c.count; ++m) {
-      const int64_t pair = slots[it.slot + m].pair;
-      if (remaining[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        const int n = static_cast<int>(parts_begin[pair + 1] - parts_begin[pair]);
-        fns.finalize(args, c.request(m), c.h, parts.data() + parts_begin[pair] * part_size, n);
+    for (int i = 0; i < c.heads; ++i) {
+      for (int m = 0; m < c.count; ++m) {
+        const int64_t pair = slots[it.slot + i * c.count + m].pair;
+        if (remaining[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          const int n = static_cast<int>(parts_begin[pair + 1] - parts_begin[pair]);
+          fns.finalize(args, c.request(m), c.h + i, parts.data() + parts_begin[pair] * part_size, n);
+        }
       }
     }
   }
@@ -123,13 +142,28 @@ struct Call {
   }
 };
 
-// The pieces of a request's keys, at most kChunk each, each on one side of a
+// KV heads per work item of request b: all of them (up to kMaxItemHeads)
+// when its key and value rows hold the heads side by side (token-major:
+// reading one head's part of a row at a time runs at about half the read
+// bandwidth), else one. Not for quantized rows, nor for items that the AMX
+// tiles may take (they hold one head's queries).
+int item_heads(const DecodeArgs& a, int b) {
+  const DecodeArgs r = a.of_request(b);
+  const auto side_by_side = [](const int64_t* s) { return std::abs(s[1]) < std::abs(s[2]); };
+  const bool tiles = a.amx_tiles && a.rows() >= kAmxFewestRows;
+  if (a.quant.bits != 0 || tiles || !side_by_side(r.k_stride) || !side_by_side(r.v_stride)) {
+    return 1;
+  }
+  return std::min(a.H_kv, kMaxItemHeads);
+}
+
+// The pieces of a request's keys, at most `chunk` each, each on one side of a
 // ring's wrap (logical position wrap = T - slot of position 0 is stored at slot 0).
-std::vector<Chunk> dense_pieces(const DecodeArgs& a, int b, KeyRange keys) {
+std::vector<Chunk> dense_pieces(const DecodeArgs& a, int b, KeyRange keys, int chunk) {
   const int slot = a.ring_slot(b), wrap = a.T - slot;
   std::vector<Chunk> pieces;
   for (int t = keys.lo; t < keys.hi;) {
-    int end = std::min(keys.hi, t + kChunk);
+    int end = std::min(keys.hi, t + chunk);
     if (t < wrap && end > wrap) {
       end = wrap;
     }
@@ -144,7 +178,9 @@ void plan_dense(const DecodeArgs& a, Call& call) {
   int64_t total = 0;
   for (int b = 0; b < a.B; ++b) {
     // Only the keys some query row attends are read: a window or a start skips the rest.
-    const std::vector<Chunk> pieces = dense_pieces(a, b, a.request_range(b));
+    // Items of several heads take shorter chunks: about the work of one head's.
+    const int heads = item_heads(a, b);
+    const std::vector<Chunk> pieces = dense_pieces(a, b, a.request_range(b), heads > 1 ? kHeadsChunk : kChunk);
     const int chunks = static_cast<int>(pieces.size());
     for (int h = 0; h < a.H_kv; ++h) {
       const int64_t pair = static_cast<int64_t>(b) * a.H_kv + h;
@@ -154,11 +190,16 @@ void plan_dense(const DecodeArgs& a, Call& call) {
       if (chunks == 0) {
         call.items.push_back({{b, h, 0, 0}, -1});
       }
+    }
+    for (int h = 0; h < a.H_kv; h += heads) {
       for (int c = 0; c < chunks; ++c) {
         Chunk piece = pieces[c];
         piece.h = h;
+        piece.heads = std::min(heads, a.H_kv - h);
         call.items.push_back({piece, static_cast<int64_t>(call.slots.size())});
-        call.slots.push_back({pair, c});
+        for (int i = 0; i < piece.heads; ++i) {
+          call.slots.push_back({static_cast<int64_t>(b) * a.H_kv + h + i, c});
+        }
       }
     }
   }
@@ -194,11 +235,16 @@ void plan_paged(const DecodeArgs& a, Call& call) {
     const int count = static_cast<int>(g.requests.size());
     const int64_t at = static_cast<int64_t>(call.members.size());
     call.members.insert(call.members.end(), g.requests.begin(), g.requests.end());
-    for (int h = 0; h < a.H_kv; ++h) {
-      call.items.push_back({{g.requests[0], h, g.t0, g.t1, nullptr, count}, static_cast<int64_t>(call.slots.size())});
+    const int heads = item_heads(a, g.requests[0]);
+    for (int h = 0; h < a.H_kv; h += heads) {
+      Chunk item{g.requests[0], h, g.t0, g.t1, nullptr, count};
+      item.heads = std::min(heads, a.H_kv - h);
+      call.items.push_back({item, static_cast<int64_t>(call.slots.size())});
       first_member.push_back(count > 1 ? at : -1);
-      for (int b : g.requests) {
-        call.slots.push_back({static_cast<int64_t>(b) * a.H_kv + h, used[b]});
+      for (int i = 0; i < item.heads; ++i) {
+        for (int b : g.requests) {
+          call.slots.push_back({static_cast<int64_t>(b) * a.H_kv + h + i, used[b]});
+        }
       }
     }
     for (int b : g.requests) {
@@ -277,7 +323,7 @@ void run_decode(const DecodeArgs& args) {
   // K/V elements read, times the rows that use each: the arithmetic grows with L.
   int64_t elements = 0;
   for (const Item& it : call->items) {
-    elements += static_cast<int64_t>(it.chunk.t1 - it.chunk.t0) * args.D * args.L * it.chunk.count;
+    elements += static_cast<int64_t>(it.chunk.t1 - it.chunk.t0) * args.D * args.L * it.chunk.count * it.chunk.heads;
   }
   const int helpers = elements < kMinParallelElements
       ? 0

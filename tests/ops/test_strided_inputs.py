@@ -30,6 +30,22 @@ def test_transposed_layout_and_slot_subset():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("H_kv, G", [(2, 4), (8, 1), (20, 2)])
+@pytest.mark.parametrize("L", [1, 3])
+def test_token_major_rows_of_many_heads(dtype, H_kv, G, L):
+    # [B, T, H_kv, D] caches (heads side by side in each row), read a whole row per block for
+    # up to 16 heads at a time; lengths past a work item's chunk, a window and a start.
+    q, k, v = make_inputs(3, H_kv * G, H_kv, 700, 64, dtype, seed=H_kv + L, L=L)
+    k_t = mx.contiguous(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    v_t = mx.contiguous(v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    lens, starts = [700, 301, 2], [5, 0, 0]
+    for window in (None, 90):
+        out = mbd.batched_decode_attention(q, k_t, v_t, mx.array(lens), kv_starts=mx.array(starts), window=window)
+        expected = numpy_reference(q, k, v, lens, kv_starts=starts, window=window)
+        assert max_abs_error(out, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_non_contiguous_last_axis(dtype):
     q, k, v = make_inputs(2, 4, 2, 20, 128, dtype, seed=4)
     wide_k = mx.repeat(k, 2, axis=-1)  # every element twice: [..., ::2] recovers k
