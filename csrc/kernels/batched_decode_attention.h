@@ -25,11 +25,14 @@
 
 #include "batched_decode_attention_params.h"
 #include "quantized_batched_decode_attention_params.h"
+#include "ragged_decode_attention_params.h"
 
 using namespace metal;
 
 using mlx_batched_decode::BatchedDecodeParams;
 using mlx_batched_decode::QuantizedDecodeParams;
+using mlx_batched_decode::RaggedGroupParams;
+using mlx_batched_decode::RaggedRequest;
 
 // Query rows one threadgroup holds, fixed per pipeline so that the registers
 // of rows it never holds are compiled away.
@@ -121,13 +124,17 @@ struct BdaRequest {
   int start;
 };
 
-// Both clamped to [0, T], so that no value, however wrong, makes a read leave [0, T).
+// Both clamped to [0, T], so that no value, however wrong, makes a read leave
+// [0, T); in the ragged layout (p.ragged, requests its table) the length is
+// clamped to the request's own T_b <= T, the positions its buffers hold.
 inline BdaRequest bda_request(
     const device int* valid_lens,
     const device int* kv_starts,
+    const device RaggedRequest* requests,
     const constant BatchedDecodeParams& p,
     int b) {
-  const int len = clamp(valid_lens[b * p.lens_stride], 0, p.seq_len);
+  const int bound = p.ragged ? requests[b].length : p.seq_len;
+  const int len = clamp(valid_lens[b * p.lens_stride], 0, bound);
   const int start = p.has_kv_starts ? clamp(kv_starts[b * p.starts_stride], 0, p.seq_len) : 0;
   return BdaRequest{len, start};
 }
@@ -217,6 +224,63 @@ struct BdaDenseRows {
   }
   floatv value(BdaRow row, int, int vi) const {
     return bda_load<T, V>::row(values + row.v + vi * V, vectors);
+  }
+};
+
+// The buffers one dispatch of the ragged kernel binds (MBD_RAGGED_SLOTS).
+template <typename T>
+struct BdaSlots {
+  const device T* slot[MBD_RAGGED_SLOTS];
+
+  // A switch of constant indices, uniform across the threadgroup: a dynamic
+  // index into a thread array of pointers may leave it in stack memory.
+  const device T* pick(int i) const {
+    switch (i) {
+      case 0: return slot[0];
+      case 1: return slot[1];
+      case 2: return slot[2];
+      case 3: return slot[3];
+      case 4: return slot[4];
+      case 5: return slot[5];
+      case 6: return slot[6];
+      case 7: return slot[7];
+      case 8: return slot[8];
+      case 9: return slot[9];
+      case 10: return slot[10];
+      case 11: return slot[11];
+      case 12: return slot[12];
+      case 13: return slot[13];
+      case 14: return slot[14];
+      default: return slot[15];
+    }
+  }
+};
+
+// One buffer per request (the ragged layout): request b's keys and values lie
+// in slots of its group's buffers at its own offsets and strides (requests[b]),
+// position t at t * seq stride from its head; bda_request bounds t by its T_b.
+template <typename T, int V>
+struct BdaRaggedRows {
+  typedef typename bda_vec<float, V>::type floatv;
+  BdaSlots<T> slots;
+  const device RaggedRequest* requests;
+  bool vectors;
+  const device T* keys;
+  const device T* values;
+  int64_t k_seq, v_seq;
+
+  void seek(int b, int h) {
+    const RaggedRequest r = requests[b];
+    keys = slots.pick(r.k_slot) + r.k_offset + h * r.k_head_stride;
+    values = slots.pick(r.v_slot) + r.v_offset + h * r.v_head_stride;
+    k_seq = r.k_seq_stride;
+    v_seq = r.v_seq_stride;
+  }
+  floatv key(BdaRow, int t, int vi) const {
+    return bda_load<T, V>::row(keys + t * k_seq + vi * V, vectors);
+  }
+  floatv value(BdaRow, int t, int vi) const {
+    return bda_load<T, V>::row(values + t * v_seq + vi * V, vectors);
   }
 };
 
@@ -311,8 +375,10 @@ struct BdaQuantizedRows {
 // and kv_starts int32 [B] (or, paged, block_tables int32 [B, MB]: see
 // BatchedDecodeParams), sinks float32 [H_q] (all strided), out
 // [B, H_q, L, D] contiguous; split-K partials float32 [B, H_q, L, splits]
-// (max, sum) and [B, H_q, L, splits, D] (acc). Head dim D: the exact one of a
-// fast kernel, the largest a generic kernel takes (its own is p.head_dim).
+// (max, sum) and [B, H_q, L, splits, D] (acc); requests: the ragged layout's
+// table (p.ragged), else null. The threadgroup serves request b (tgid.z, plus
+// the group's first request in the ragged layout). Head dim D: the exact one of
+// a fast kernel, the largest a generic kernel takes (its own is p.head_dim).
 template <typename T, int D, bool GENERIC, typename Rows>
 inline void bda_attend(
     const device T* queries,
@@ -325,7 +391,9 @@ inline void bda_attend(
     device float* partial_max,
     device float* partial_sum,
     constant BatchedDecodeParams& p,
+    const device RaggedRequest* requests,
     uint3 tgid,
+    int b,
     uint tid,
     uint sg,
     uint lane,
@@ -347,9 +415,8 @@ inline void bda_attend(
   const int kv_head = tgid.y / p.row_chunks;
   const int first = (tgid.y % p.row_chunks) * chunk_rows;
   const int rows = min(chunk_rows, p.gqa_factor * p.num_rows - first);
-  const int b = tgid.z;
 
-  const BdaRequest request = bda_request(valid_lens, kv_starts, p, b);
+  const BdaRequest request = bda_request(valid_lens, kv_starts, requests, p, b);
 
   // Row r of the chunk is row i of query head h, from (i, g) index first + r.
   floatv q[RB][C];
@@ -522,7 +589,7 @@ template <typename T, int D, bool GENERIC>
   const BdaDenseRows<T, bda_vector_width<D, GENERIC>()> kv{
       keys, values, p.k_head_stride, p.v_head_stride, bda_vector_loads};
   bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, out, partial_acc, partial_max, partial_sum,
-                            p, tgid, tid, sg, lane, num_sg);
+                            p, nullptr, tgid, int(tgid.z), tid, sg, lane, num_sg);
 }
 
 // The quantized kernel: keys and values as mx.quantize's (packed uint32
@@ -556,12 +623,61 @@ template <typename T, int D, bool GENERIC, int BITS>
       keys, values, key_scales, key_biases, value_scales, value_biases, p.k_batch_stride, p.k_head_stride,
       p.k_seq_stride, p.v_batch_stride, p.v_head_stride, p.v_seq_stride, q, 0, 0};
   bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, out, partial_acc, partial_max, partial_sum,
-                            p, tgid, tid, sg, lane, num_sg);
+                            p, nullptr, tgid, int(tgid.z), tid, sg, lane, num_sg);
+}
+
+// The ragged kernel: request b's keys and values [H_kv, T_b, D] (any strides)
+// in buffers of their own, one dispatch per group of requests whose buffers fit
+// the MBD_RAGGED_SLOTS slots (buffers MBD_RAGGED_SLOT0 on, 13 to 28); the
+// request table requests [B] says where each request's rows lie. The reduce
+// pass is batched_decode_attention_reduce's, over all B.
+template <typename T, int D, bool GENERIC>
+[[kernel]] void ragged_decode_attention(
+    const device T* queries [[buffer(0)]],
+    const device int* valid_lens [[buffer(3)]],
+    const device int* kv_starts [[buffer(4)]],
+    const device float* sinks [[buffer(5)]],
+    device T* out [[buffer(6)]],
+    device float* partial_acc [[buffer(7)]],
+    device float* partial_max [[buffer(8)]],
+    device float* partial_sum [[buffer(9)]],
+    constant BatchedDecodeParams& p [[buffer(10)]],
+    const device RaggedRequest* requests [[buffer(11)]],
+    constant RaggedGroupParams& group [[buffer(12)]],
+    const device T* slot0 [[buffer(13)]],
+    const device T* slot1 [[buffer(14)]],
+    const device T* slot2 [[buffer(15)]],
+    const device T* slot3 [[buffer(16)]],
+    const device T* slot4 [[buffer(17)]],
+    const device T* slot5 [[buffer(18)]],
+    const device T* slot6 [[buffer(19)]],
+    const device T* slot7 [[buffer(20)]],
+    const device T* slot8 [[buffer(21)]],
+    const device T* slot9 [[buffer(22)]],
+    const device T* slot10 [[buffer(23)]],
+    const device T* slot11 [[buffer(24)]],
+    const device T* slot12 [[buffer(25)]],
+    const device T* slot13 [[buffer(26)]],
+    const device T* slot14 [[buffer(27)]],
+    const device T* slot15 [[buffer(28)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint num_sg [[simdgroups_per_threadgroup]]) {
+  const BdaRaggedRows<T, bda_vector_width<D, GENERIC>()> kv{
+      {{slot0, slot1, slot2, slot3, slot4, slot5, slot6, slot7, slot8, slot9, slot10, slot11, slot12, slot13, slot14,
+        slot15}},
+      requests, bda_vector_loads, nullptr, nullptr, 0, 0};
+  bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, out, partial_acc, partial_max, partial_sum,
+                            p, requests, tgid, group.first_request + int(tgid.z), tid, sg, lane, num_sg);
 }
 
 // Split-K second pass: merges the splits' (max, sum, acc) of one output row
 // (request, query head, row i) with log-sum-exp weights, then the sink joins
 // the denominator. Empty splits carry max = -inf; a row with no key gives zeros.
+// requests: the ragged layout's table (p.ragged), whose lengths bound the
+// rows' ranges as in the main pass; any buffer otherwise.
 template <typename T, int D, bool GENERIC>
 [[kernel]] void batched_decode_attention_reduce(
     const device int* valid_lens [[buffer(3)]],
@@ -572,6 +688,7 @@ template <typename T, int D, bool GENERIC>
     const device float* partial_max [[buffer(8)]],
     const device float* partial_sum [[buffer(9)]],
     constant BatchedDecodeParams& p [[buffer(10)]],
+    const device RaggedRequest* requests [[buffer(11)]],
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint3 group_size [[threads_per_threadgroup]]) {
@@ -580,7 +697,7 @@ template <typename T, int D, bool GENERIC>
   const int head = tgid.y;
   const int b = tgid.z;
   const int64_t out_row = (int64_t(b) * p.num_q_heads + head) * p.num_rows + i;
-  const BdaRequest request = bda_request(valid_lens, kv_starts, p, b);
+  const BdaRequest request = bda_request(valid_lens, kv_starts, requests, p, b);
   const BdaRange range = bda_row_keys(request.len, request.start, p.num_rows, i, p.window);
   const device float* maxes = partial_max + out_row * p.num_splits;
   const device float* sums = partial_sum + out_row * p.num_splits;

@@ -9,7 +9,9 @@
 //     128, 256, 512 with D <= N; D read at run time, scalar loads.
 //   quantized_batched_decode_attention_<dtype>_<D>_<bits>bit (and _upto<N>_<bits>bit):
 //     the same on mx.quantize triples of bits 4 or 8, for the head dims that
-//     are multiples of 32 (the group sizes' multiple), with the reduce above.
+//     are multiples of 32 (the group sizes' multiple), with the reduce above;
+//   ragged_decode_attention_<dtype>_<D> (and _upto<N>): the main pass on one
+//     buffer per request, for every head dim above, with the reduce above.
 #include "batched_decode_attention.h"
 
 #define instantiate_batched_decode_attention(tname, type, dim, suffix, generic)   \
@@ -68,6 +70,33 @@
   instantiate_quantized_dims_bits(tname, type, 4) \
   instantiate_quantized_dims_bits(tname, type, 8)
 
+#define instantiate_ragged_kernel(tname, type, dim, suffix, generic)              \
+  template [[host_name("ragged_decode_attention_" #tname "_" #suffix)]]          \
+  [[kernel]] decltype(ragged_decode_attention<type, dim, generic>)              \
+      ragged_decode_attention<type, dim, generic>;
+
+#define instantiate_ragged_fast(tname, type, dim) \
+  instantiate_ragged_kernel(tname, type, dim, dim, false)
+#define instantiate_ragged_generic(tname, type, dim) \
+  instantiate_ragged_kernel(tname, type, dim, upto##dim, true)
+
+#define instantiate_ragged_dims(tname, type)   \
+  instantiate_ragged_fast(tname, type, 32)     \
+  instantiate_ragged_fast(tname, type, 64)     \
+  instantiate_ragged_fast(tname, type, 80)     \
+  instantiate_ragged_fast(tname, type, 96)     \
+  instantiate_ragged_fast(tname, type, 112)    \
+  instantiate_ragged_fast(tname, type, 128)    \
+  instantiate_ragged_fast(tname, type, 160)    \
+  instantiate_ragged_fast(tname, type, 192)    \
+  instantiate_ragged_fast(tname, type, 256)    \
+  instantiate_ragged_fast(tname, type, 512)    \
+  instantiate_ragged_generic(tname, type, 32)  \
+  instantiate_ragged_generic(tname, type, 64)  \
+  instantiate_ragged_generic(tname, type, 128) \
+  instantiate_ragged_generic(tname, type, 256) \
+  instantiate_ragged_generic(tname, type, 512)
+
 // Every kernel, unless MBD_KERNELS names the ones to compile instead: the
 // run-time library of one dtype and head dim (csrc/metal/kernel_library.h).
 #ifdef MBD_KERNELS
@@ -79,4 +108,7 @@ instantiate_batched_decode_attention_dims(float32, float)
 instantiate_quantized_dims(float16, half)
 instantiate_quantized_dims(bfloat16, bfloat)
 instantiate_quantized_dims(float32, float)
+instantiate_ragged_dims(float16, half)
+instantiate_ragged_dims(bfloat16, bfloat)
+instantiate_ragged_dims(float32, float)
 #endif

@@ -44,6 +44,9 @@ struct BatchedDecodeParams {
   int split_len;     // keys per split
   int has_kv_starts; // 0: every request starts at key 0, kv_starts is not read
   int has_sinks;     // 0: no sink logit, sinks is not read
+  // 1: the ragged layout: buffer MBD_RAGGED_REQUESTS holds a RaggedRequest per
+  // request, whose own length bounds its positions (k/v strides are unused).
+  int ragged;
   float scale;
   // Paged layout (block_size > 0): keys and values are pools [NB, BS, H_kv, D],
   // k/v_batch_stride step pages and k/v_seq_stride rows of a page, and buffer

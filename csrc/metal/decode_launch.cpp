@@ -4,6 +4,7 @@
 // plan in launch_plan.h and the run-time libraries in kernel_library.h, both
 // shared with the Linux emulation harness.
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "kernel_library.h"
 #include "launch_plan.h"
 #include "quantized_launch_plan.h"
+#include "ragged_launch_plan.h"
 
 namespace mx = mlx::core;
 
@@ -35,25 +37,28 @@ KernelDtype kernel_dtype(mx::Dtype dtype) {
   throw std::invalid_argument("[batched_decode_attention] the Metal kernel takes float16, bfloat16 or float32");
 }
 
-void check_last_axis(const mx::array& a, const char* name) {
+void check_last_axis(const char* op, const mx::array& a, const std::string& name) {
   if (a.strides().back() != 1) {
-    throw std::invalid_argument(std::string("[batched_decode_attention] ") + name + ": last axis must be contiguous");
+    throw std::invalid_argument("[" + std::string(op) + "] " + name + ": last axis must be contiguous");
   }
 }
 
 namespace {
 
 // The source of the run-time library of (dtype, D), with the quantized main
-// kernel of `bits` when bits != 0.
-std::string kernel_source(KernelDtype dtype, int head_dim, int bits) {
+// kernel of `bits` when bits != 0, or the ragged main kernel.
+std::string kernel_source(KernelDtype dtype, int head_dim, int bits, bool ragged) {
+  if (ragged) {
+    return ragged_library_source(metal_source(), dtype, head_dim);
+  }
   return bits ? quantized_library_source(metal_source(), dtype, head_dim, bits)
               : library_source(metal_source(), dtype, head_dim);
 }
 
-// The kernels of (dtype, D[, bits]): from the prebuilt metallib, or from the
-// embedded source, compiled once per process at the first call of this dtype
-// and head dim. A compile failure is an error, never a CPU fallback.
-MTL::Library* kernel_library(mx::metal::Device& d, KernelDtype dtype, int head_dim, int bits) {
+// The kernels of (dtype, D[, bits or ragged]): from the prebuilt metallib, or
+// from the embedded source, compiled once per process at the first call of this
+// dtype and head dim. A compile failure is an error, never a CPU fallback.
+MTL::Library* kernel_library(mx::metal::Device& d, KernelDtype dtype, int head_dim, int bits, bool ragged) {
   switch (metal_backend()) {
     case MetalBackend::metallib:
       return d.get_library(kMetallibName, module_dir());
@@ -63,11 +68,12 @@ MTL::Library* kernel_library(mx::metal::Device& d, KernelDtype dtype, int head_d
       throw std::runtime_error("[batched_decode_attention] Metal is not available");
   }
   const std::string hash = metal_source_hash();
-  const std::string name =
-      bits ? quantized_library_name(hash, dtype, head_dim, bits) : library_name(hash, dtype, head_dim);
+  const std::string name = ragged ? ragged_library_name(hash, dtype, head_dim)
+      : bits                        ? quantized_library_name(hash, dtype, head_dim, bits)
+                                    : library_name(hash, dtype, head_dim);
   try {
     // MLX's safe math mode: the kernel needs IEEE infinities and NaN (as the metallib's -fno-fast-math).
-    return d.get_library(name, mx::CompileOptions{}, [&] { return kernel_source(dtype, head_dim, bits); });
+    return d.get_library(name, mx::CompileOptions{}, [&] { return kernel_source(dtype, head_dim, bits, ragged); });
   } catch (const std::exception& e) {
     throw std::runtime_error("[batched_decode_attention] compiling the Metal kernels " + name +
                              " from source failed: " + e.what());
@@ -88,9 +94,39 @@ MTL::Size to_mtl(const Size3& s) {
 }
 
 // The plan of the main kernel the row source needs.
-LaunchPlan plan_for(const LaunchShape& shape, const QuantizedBuffers* quantized) {
+LaunchPlan plan_for(const LaunchShape& shape, const QuantizedBuffers* quantized, const RaggedBuffers* ragged) {
+  if (ragged) {
+    return make_ragged_launch_plan(shape);
+  }
   return quantized ? make_quantized_launch_plan(shape, quantized->bits, quantized->group_size)
                    : make_launch_plan(shape);
+}
+
+// The ragged layout's table as a buffer the command buffer keeps until it completes.
+mx::array request_table(const RaggedLayout& layout, mx::metal::CommandEncoder& encoder) {
+  const size_t bytes = layout.table.size() * sizeof(RaggedRequest);
+  mx::array table(mx::Shape{int(bytes)}, mx::uint8, nullptr, std::vector<mx::array>{});
+  table.set_data(mx::allocator::malloc(bytes));
+  std::memcpy(table.data<void>(), layout.table.data(), bytes);
+  encoder.add_temporary(table);
+  return table;
+}
+
+// Binds group g's buffers at the slots (each at its buffer's start: the table's
+// offsets count from there) and its first request; unused slots hold valid_lens.
+void bind_group(mx::metal::CommandEncoder& encoder, const RaggedBuffers& ragged, const RaggedGroup& g,
+                const mx::array& valid_lens) {
+  const int B = int(ragged.layout.table.size());
+  for (int s = 0; s < kRaggedSlots; ++s) {
+    if (s < int(g.slots.size())) {
+      const int i = g.slots[s];
+      const mx::array& a = i < B ? ragged.keys[i] : ragged.values[i - B];
+      encoder.set_input_array(a, kRaggedSlot0 + s, -a.offset());
+    } else {
+      encoder.set_input_array(valid_lens, kRaggedSlot0 + s);
+    }
+  }
+  encoder.set_bytes(RaggedGroupParams{g.first}, kRaggedGroup);
 }
 
 } // namespace
@@ -98,15 +134,17 @@ LaunchPlan plan_for(const LaunchShape& shape, const QuantizedBuffers* quantized)
 void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchShape shape,
                              const InputStrides& strides, const InputOffsets& offsets, const PagedLayout& paged,
                              float scale, const DecodeBuffers& in, mx::array& out,
-                             const QuantizedBuffers* quantized) {
+                             const QuantizedBuffers* quantized, const RaggedBuffers* ragged) {
   mx::metal::Device& d = mx::metal::device(s.device);
   // Names and function constants don't depend on the thread limit, which comes from the pipeline.
-  const LaunchPlan provisional = plan_for(shape, quantized);
+  const LaunchPlan provisional = plan_for(shape, quantized, ragged);
   int rows = provisional.rows_per_group;
   // Packed rows are read a word per lane: only the queries' vectors count for them.
-  bool vectors = quantized ? quantized_vector_loads(shape, provisional, strides, offsets.q)
-                           : vector_loads(shape, provisional, strides, offsets, paged);
-  MTL::Library* library = kernel_library(d, shape.dtype, shape.head_dim, quantized ? quantized->bits : 0);
+  bool vectors = ragged      ? ragged_vector_loads(shape, provisional, strides, offsets.q, ragged->layout)
+      : quantized ? quantized_vector_loads(shape, provisional, strides, offsets.q)
+                  : vector_loads(shape, provisional, strides, offsets, paged);
+  MTL::Library* library =
+      kernel_library(d, shape.dtype, shape.head_dim, quantized ? quantized->bits : 0, ragged != nullptr);
   const mx::metal::MTLFCList constants = {
       {&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS},
       {&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}};
@@ -114,7 +152,7 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchS
       d, provisional.kernel, library,
       provisional.kernel + "_rows" + std::to_string(rows) + (vectors ? "_vector" : "_scalar"), constants);
   shape.max_threads_per_group = int(kernel->maxTotalThreadsPerThreadgroup());
-  const LaunchPlan plan = plan_for(shape, quantized);
+  const LaunchPlan plan = plan_for(shape, quantized, ragged);
   mx::check_kernel_threadgroup_size(kernel, to_mtl(plan.group), plan.kernel);
   const bool split = plan.num_splits > 1;
   // Both pipelines before any encoding: a failure leaves no half-encoded work.
@@ -122,7 +160,8 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchS
   if (split) {
     mx::check_kernel_threadgroup_size(reduce, to_mtl(plan.reduce_group), plan.reduce_kernel);
   }
-  const BatchedDecodeParams params = make_params(shape, plan, strides, scale, paged);
+  const BatchedDecodeParams params =
+      ragged ? make_ragged_params(shape, plan, strides, scale) : make_params(shape, plan, strides, scale, paged);
 
   out.set_data(mx::allocator::malloc(out.nbytes()));
 
@@ -145,10 +184,17 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchS
     }
   }
 
+  // Bound in both passes: the ragged table, or valid_lens for a reduce that does not read it.
+  const mx::array requests = ragged ? request_table(ragged->layout, encoder) : in.valid_lens;
+
   encoder.set_compute_pipeline_state(kernel);
   encoder.set_input_array(in.queries, kQueries);
-  encoder.set_input_array(in.keys, kKeys);
-  encoder.set_input_array(in.values, kValues);
+  if (ragged) {
+    encoder.set_input_array(requests, kRequests);
+  } else {
+    encoder.set_input_array(in.keys, kKeys);
+    encoder.set_input_array(in.values, kValues);
+  }
   encoder.set_input_array(in.valid_lens, kValidLens);
   encoder.set_input_array(in.kv_starts, kKvStarts);
   encoder.set_input_array(in.sinks, kSinks);
@@ -176,7 +222,23 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchS
     encoder.set_input_array(quantized->value_biases, MBD_QUANT_VALUE_BIASES);
     encoder.set_bytes(qparams, MBD_QUANT_PARAMS);
   }
-  encoder.dispatch_threadgroups(to_mtl(plan.grid), to_mtl(plan.group));
+  if (ragged) {
+    for (size_t g = 0; g < ragged->layout.groups.size(); ++g) {
+      bind_group(encoder, *ragged, ragged->layout.groups[g], in.valid_lens);
+      // Later groups keep the first one's output bindings: registering, not
+      // rebinding, them spares a barrier between groups (they write disjoint
+      // rows) and keeps the one before the reduce.
+      if (g > 0) {
+        encoder.register_output_array(out);
+        for (const mx::array& p : partials) {
+          encoder.register_output_array(p);
+        }
+      }
+      encoder.dispatch_threadgroups(to_mtl(ragged_group_grid(plan, ragged->layout.groups[g])), to_mtl(plan.group));
+    }
+  } else {
+    encoder.dispatch_threadgroups(to_mtl(plan.grid), to_mtl(plan.group));
+  }
 
   if (split) {
     encoder.set_compute_pipeline_state(reduce);
@@ -188,6 +250,7 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchS
     encoder.set_input_array(partials[1], kPartialMax);
     encoder.set_input_array(partials[2], kPartialSum);
     encoder.set_bytes(params, kParams);
+    encoder.set_input_array(requests, kRequests);
     encoder.dispatch_threadgroups(to_mtl(plan.reduce_grid), to_mtl(plan.reduce_group));
   }
 }

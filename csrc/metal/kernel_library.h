@@ -8,6 +8,7 @@
 
 #include "launch_plan.h"
 #include "quantized_launch_plan.h"
+#include "ragged_launch_plan.h"
 
 namespace mlx_batched_decode {
 
@@ -55,6 +56,23 @@ inline std::string quantized_library_name(const std::string& source_hash, Kernel
 /** The source of that library, as library_source. */
 inline std::string quantized_library_source(const std::string& source, KernelDtype dtype, int head_dim, int bits) {
   return "#define MBD_KERNELS " + quantized_kernel_instantiation(dtype, head_dim, bits) + "\n" + source;
+}
+
+/** The .metal lines instantiating the ragged main kernel of (dtype, D) and the reduce of (dtype, D). */
+inline std::string ragged_kernel_instantiation(KernelDtype dtype, int head_dim) {
+  return kernel_instantiation(dtype, head_dim) + " " +
+      (is_fast_head_dim(head_dim) ? "instantiate_ragged_fast(" : "instantiate_ragged_generic(") + dtype_name(dtype) +
+      ", " + msl_type(dtype) + ", " + std::to_string(kernel_head_dim(head_dim)) + ")";
+}
+
+/** Name of the run-time library of the ragged kernel of (dtype, D). */
+inline std::string ragged_library_name(const std::string& source_hash, KernelDtype dtype, int head_dim) {
+  return "mlx_batched_decode_" + source_hash + "_ragged_" + kernel_suffix(dtype, head_dim);
+}
+
+/** The source of that library, as library_source. */
+inline std::string ragged_library_source(const std::string& source, KernelDtype dtype, int head_dim) {
+  return "#define MBD_KERNELS " + ragged_kernel_instantiation(dtype, head_dim) + "\n" + source;
 }
 
 } // namespace mlx_batched_decode

@@ -17,8 +17,9 @@ as C++20 by g++ and executed lane by lane:
   reports, with ``.metal`` source lines, mismatched collectives, collectives
   reached by only some lanes and skipped barriers; threadgroup memory is
   filled with NaN before each threadgroup;
-- ``launcher.cpp`` dispatches with ``csrc/metal/launch_plan.h``, the plan the
-  Metal launcher uses, and in AddressSanitizer builds poisons memory (K/V
+- ``launcher.cpp`` dispatches with ``csrc/metal/launch_plan.h`` (and the
+  ragged groups of ``ragged_launch_plan.h``), the plan the Metal launcher
+  uses, and in AddressSanitizer builds poisons memory (K/V
   positions no query row attends); it also exposes the run-time library
   names and sources (``csrc/metal/kernel_library.h``) and the metallib/source
   choice (``csrc/metal/backend_choice.h``); ``build.py`` compiles and caches
@@ -26,8 +27,10 @@ as C++20 by g++ and executed lane by lane:
   buffer (``load_counter.cpp``); ``driver.py`` calls it through ctypes;
 - ``sources.py`` makes sources of fewer kernels (the source's ``MBD_KERNELS``
   switch, as eval_gpu's run-time libraries) or with one injected bug
-  (``mutants.py``); ``cases.py``, ``check_cases.py`` and ``reference.py``
-  (float64) make and check the tests' inputs.
+  (``mutants.py``); ``cases.py``, ``ragged_cases.py`` (one buffer per
+  request), ``check_cases.py`` and ``reference.py`` (float64) make and check
+  the tests' inputs; ``ragged_buffers.py`` gives a ragged call's requests the
+  device buffers eval_gpu would bind, one per numpy buffer their views share.
 
 What it cannot show: that Apple's compiler accepts the source, GPU speed, and
 races between threadgroups (they run one after another).

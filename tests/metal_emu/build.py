@@ -77,6 +77,8 @@ def _harness_files() -> list[Path]:
                    REPO / "csrc" / "metal" / "launch_plan.h", REPO / "csrc" / "metal" / "kernel_library.h",
                    REPO / "csrc" / "metal" / "quantized_launch_plan.h",
                    REPO / "csrc" / "kernels" / "quantized_batched_decode_attention_params.h",
+                   REPO / "csrc" / "metal" / "ragged_launch_plan.h",
+                   REPO / "csrc" / "kernels" / "ragged_decode_attention_params.h",
                    REPO / "csrc" / "metal" / "backend_choice.h", REPO / "csrc" / "head_dims.h",
                    REPO / "csrc" / "kernels" / "batched_decode_attention_params.h"])
 

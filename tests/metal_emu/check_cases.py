@@ -15,6 +15,7 @@ import numpy as np
 
 from .cases import attended, make_case
 from .driver import EmulatedLibrary
+from .ragged_cases import make_ragged_case
 from .reference import TOLERANCE, to_float64
 
 # make_case arguments. Both launch paths, every dtype, fast and generic head
@@ -47,10 +48,32 @@ CASE_SETS = {
 }
 
 
+# make_ragged_case arguments, run with buffers of exactly the views' size (no capacity, no row
+# padding): lengths far above T_b, negative or at 2^31 - 1, T_b = 0, starts far outside [0, T],
+# several dispatch groups. Split-K takes 66 keys per split of T = 131: a length clamped to T
+# instead of T_b reads past request 1's 5 positions.
+RAGGED_CASE_SETS = {
+    "ragged_adversarial": [
+        dict(dtype="float32", d=64, h_kv=1, g=2, lengths=[131, 5, 0, 64, 1],
+             valid_lens=[10_000, 2**31 - 1, 7, -(2**31), 131], rows=3, starts=[-(2**31), 0, 3, 2**31 - 1, -7],
+             window=10**6, layouts=("exact",)),
+        dict(dtype="float16", d=48, h_kv=2, g=1, lengths=[9, 0, 30, 3] * 5, valid_lens=[40, 3, 31, 2**31 - 1] * 5,
+             rows=2, window=2, sinks=True, layouts=("exact", "3d", "token_major")),
+        dict(dtype="bfloat16", d=64, h_kv=1, g=4, lengths=[40, 40, 40, 7], valid_lens=[41, 1000, 39, 8],
+             layouts=("shared", "shared", "shared", "exact")),
+    ],
+    # Rows of D + 1 elements: the launch plan must choose scalar loads for the whole call.
+    "ragged_unaligned": [
+        dict(dtype="float16", d=64, h_kv=2, g=2, lengths=[20, 7, 13], rows=2, row_pad=1,
+             layouts=("slice", "3d", "token_major")),
+    ],
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("library", type=Path)
-    parser.add_argument("--cases", choices=sorted(CASE_SETS), default="small")
+    parser.add_argument("--cases", choices=sorted(CASE_SETS) + sorted(RAGGED_CASE_SETS), default="small")
     parser.add_argument("--no-nan-margins", action="store_true")
     parser.add_argument("--poison-unread", action="store_true",
                         help="AddressSanitizer reports a read of any K/V position no query row attends")
@@ -59,7 +82,14 @@ def main() -> None:
     args = parser.parse_args()
     lib = EmulatedLibrary(args.library)
     rng = np.random.default_rng(5)
-    for spec in CASE_SETS[args.cases]:
+    for spec in RAGGED_CASE_SETS.get(args.cases, []):
+        case = make_ragged_case(rng, extra_capacity=0, **spec)
+        out = case.run(lib, max_threads=args.max_threads, backend=args.backend, nan_margins=not args.no_nan_margins,
+                       unreadable=case.unread() if args.poison_unread else None)
+        np.testing.assert_allclose(to_float64(out, case.dtype), case.reference(), atol=TOLERANCE[case.dtype],
+                                   rtol=TOLERANCE[case.dtype])
+        print("ok", " ".join(f"{k}={v}" for k, v in spec.items()))
+    for spec in CASE_SETS.get(args.cases, []):
         shift = spec.get("shift", 0)
         case = make_case(rng, extra_capacity=0, **{k: v for k, v in spec.items() if k != "shift"})
         unread = None

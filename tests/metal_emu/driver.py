@@ -2,8 +2,9 @@
 library names and sources, the backend choice, and emulated calls.
 
 Arrays follow the op's contract: queries [B, H_q, L, D], keys/values
-[B, H_kv, T, D] (any strides, last axis contiguous), valid_lens and kv_starts
-int32 [B], sinks float32 [H_q] (any stride). float16 and float32 are numpy
+[B, H_kv, T, D] (any strides, last axis contiguous; ragged: lists of B views,
+see ``ragged_buffers.py``), valid_lens and kv_starts int32 [B], sinks float32
+[H_q] (any stride). float16 and float32 are numpy
 arrays of that dtype; bfloat16 travels as the raw uint16 bits (numpy has no
 bfloat16), see ``reference.to_dtype``.
 """
@@ -15,15 +16,19 @@ from pathlib import Path
 
 import numpy as np
 
+from . import ragged_buffers
+
 DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2}
 STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
 BACKENDS = {"fibers": 0, "threads": 1}
-# The kernels' buffer indices (csrc/metal/launch_plan.h, BufferIndex).
+# The kernels' buffer indices (csrc/metal/launch_plan.h, BufferIndex; from 11 on, the ragged
+# kernel's of csrc/metal/ragged_launch_plan.h).
+RAGGED_SLOTS = 16
 BUFFERS = ("queries", "keys", "values", "valid_lens", "kv_starts", "sinks", "out", "partial_acc", "partial_max",
-           "partial_sum", "params")
+           "partial_sum", "params", "requests", "group", *(f"slot{i}" for i in range(RAGGED_SLOTS)))
 # Device copies start on this boundary (Metal buffers start at least this aligned), plus any shift.
 ALIGNMENT = 16
-MAX_BUFFERS = 16
+MAX_BUFFERS = 31
 
 
 class HarnessError(RuntimeError):
@@ -54,7 +59,16 @@ class Plan(ctypes.Structure):
 class Launch(ctypes.Structure):
     """Mirror of MbdLaunch in launcher.cpp."""
 
-    _fields_ = [("vector_loads", ctypes.c_int), ("loaded", (ctypes.c_ulonglong * MAX_BUFFERS) * 2)]
+    _fields_ = [("vector_loads", ctypes.c_int), ("dispatches", ctypes.c_int),
+                ("loaded", (ctypes.c_ulonglong * MAX_BUFFERS) * 2)]
+
+
+class RaggedRequest(ctypes.Structure):
+    """Mirror of RaggedRequest in csrc/kernels/ragged_decode_attention_params.h."""
+
+    _fields_ = [(name, ctypes.c_longlong) for name in ("k_offset", "v_offset", "k_head_stride", "k_seq_stride",
+                                                        "v_head_stride", "v_seq_stride")] + [
+        (name, ctypes.c_int) for name in ("k_slot", "v_slot", "length")]
 
 
 def effective_window(window: int | None, t: int) -> int:
@@ -102,10 +116,19 @@ class EmulatedLibrary:
             ctypes.POINTER(ctypes.c_longlong * 16), ctypes.POINTER(ctypes.c_int * 3), *[ctypes.c_void_p] * 6,
             ctypes.POINTER(ctypes.c_void_p * 4), ctypes.POINTER(ctypes.c_ulonglong * 10), ctypes.c_void_p,
             ctypes.c_float, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        self._lib.mbd_emu_ragged_attention.argtypes = [
+            ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(ctypes.c_longlong * 12), *[ctypes.c_void_p] * 4,
+            ctypes.POINTER(ctypes.c_ulonglong * 4), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_char_p,
+            ctypes.c_int]
+        self._lib.mbd_emu_ragged_layout.argtypes = [
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         self._lib.mbd_emu_last_launch.argtypes = [ctypes.POINTER(Launch)]
-        self._lib.mbd_emu_library_name.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p]
-        self._lib.mbd_emu_library_source.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p,
-                                                     ctypes.c_longlong]
+        self._lib.mbd_emu_library_name.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                                   ctypes.c_char_p]
+        self._lib.mbd_emu_library_source.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                                     ctypes.c_char_p, ctypes.c_longlong]
         self._lib.mbd_emu_library_source.restype = ctypes.c_longlong
         self._lib.mbd_emu_metal_backend.argtypes = [ctypes.c_int, ctypes.c_int]
         self._lib.mbd_emu_metal_backend.restype = ctypes.c_char_p
@@ -286,6 +309,86 @@ class EmulatedLibrary:
                     if self._lib.mbd_emu_poison(start, row, 1):
                         raise HarnessError("unreadable positions need an AddressSanitizer build")
 
+    def ragged_attention(self, queries: np.ndarray, keys: list[np.ndarray], values: list[np.ndarray],
+                         valid_lens: np.ndarray, dtype: str, scale: float, *, kv_starts: np.ndarray | None = None,
+                         window: int | None = None, sinks: np.ndarray | None = None, max_threads: int = 1024,
+                         backend: str = "fibers", nan_margins: bool = True,
+                         unreadable: list[np.ndarray] | None = None) -> np.ndarray:
+        """Runs the emulated ragged kernel and its reduce, bound as eval_gpu of RaggedDecodeAttention
+        binds them; returns [B, H_q, L, D] in the storage dtype.
+
+        ``keys[b]``, ``values[b]``: request b's [1, H_kv, T_b, D] or [H_kv, T_b, D] views
+        (any strides, last axis contiguous); views of one numpy buffer share one device copy
+        and one slot, as arrays of one MLX buffer do (``ragged_buffers``). ``unreadable[b]``,
+        bool [T_b]: positions of request b (all heads, keys and values) that AddressSanitizer
+        reports any read of. The rest as ``attention``.
+        """
+        b, h_q, rows, d = queries.shape
+        if window is not None and window < 1:
+            raise ValueError("window must be >= 1, or None for no window")
+        if queries.dtype != STORAGE[dtype] or queries.strides[-1] != queries.itemsize:
+            raise ValueError(f"queries: expected {STORAGE[dtype].__name__} with a contiguous last axis")
+        bound = ragged_buffers.bind([*keys, *values], STORAGE[dtype], nan_margins, _device_copy)
+        h_kv, t = bound.heads, max(bound.lengths[:b], default=0)
+        itemsize = queries.itemsize
+        copies = [None if a is None else _device_copy(a, nan_margins) for a in (queries, valid_lens, kv_starts, sinks)]
+        addresses = [None if c is None else c[1] for c in copies]
+        spans = (ctypes.c_ulonglong * 4)(*(0 if c is None else c[2] for c in copies))
+        option_strides = [0 if a is None else a.strides[0] // 4 for a in (kv_starts, sinks)]
+        out = np.full((b, h_q, rows, d), 0xFFFF if dtype == "bfloat16" else np.nan, dtype=STORAGE[dtype])
+        error = ctypes.create_string_buffer(4096)
+        if unreadable is not None:
+            self._poison_ragged(bound, [*unreadable, *unreadable], d * itemsize, 1)
+        status = self._lib.mbd_emu_ragged_attention(
+            self._shape(b, h_q, h_kv, rows, t, d, effective_window(window, t), dtype, max_threads,
+                        kv_starts is not None, sinks is not None),
+            (ctypes.c_longlong * 12)(*(s // itemsize for s in queries.strides[:3]), *[0] * 6,
+                                     valid_lens.strides[0] // 4, *option_strides),
+            *addresses, spans, bound.arrays, bound.buffers, bound.buffer_bytes, bound.strides,
+            (ctypes.c_int * b)(*bound.lengths[:b]), out.ctypes.data, scale, BACKENDS[backend], error, 4096)
+        if unreadable is not None:
+            self._poison_ragged(bound, [*unreadable, *unreadable], d * itemsize, 0)
+        if status:
+            raise HarnessError(error.value.decode())
+        return out
+
+    def _poison_ragged(self, bound, unreadable: list[np.ndarray], row: int, poison: int) -> None:
+        """(Un)poisons the rows of positions ``unreadable[i]`` [T_b] of array i in its device copy."""
+        for i, positions in enumerate(unreadable):
+            head, seq = bound.strides[2 * i] * bound.itemsize, bound.strides[2 * i + 1] * bound.itemsize
+            for t in np.nonzero(positions)[0]:
+                for h in range(bound.heads):
+                    if self._lib.mbd_emu_poison(bound.arrays[i] + h * head + int(t) * seq, row, poison):
+                        raise HarnessError("unreadable positions need an AddressSanitizer build")
+
+    def ragged_layout(self, buffers: list[int], offsets: list[int], strides: list[tuple[int, int]],
+                      lengths: list[int], h_kv: int, itemsize: int, slots: int = RAGGED_SLOTS):
+        """``make_ragged_layout`` of csrc/metal/ragged_launch_plan.h for B requests: array i (keys,
+        then values; 2B) lies ``offsets[i]`` bytes into buffer ``buffers[i]`` (any distinct
+        integers name distinct buffers), with (head, position) strides ``strides[i]``. Returns
+        the table (B RaggedRequest as dicts) and the groups as (first, count, slots)."""
+        n = len(lengths)
+        table = (RaggedRequest * max(n, 1))()
+        groups = (ctypes.c_int * ((2 + RAGGED_SLOTS) * max(n, 1)))()
+        error = ctypes.create_string_buffer(1024)
+        arrays = (ctypes.c_void_p * (2 * n))(*(b + o for b, o in zip(buffers, offsets)))
+        array_strides = (ctypes.c_longlong * (4 * n))(*(s for pair in strides for s in pair))
+        count = self._lib.mbd_emu_ragged_layout(n, arrays, (ctypes.c_void_p * (2 * n))(*buffers), array_strides,
+                                                (ctypes.c_int * n)(*lengths), h_kv, itemsize, slots, table, groups,
+                                                error, 1024)
+        if count < 0:
+            raise HarnessError(error.value.decode())
+        width = 2 + RAGGED_SLOTS
+        rows = [groups[g * width:(g + 1) * width] for g in range(count)]
+        return ([{name: getattr(r, name) for name, _ in RaggedRequest._fields_} for r in table[:n]],
+                [(row[0], row[1], [s for s in row[2:] if s >= 0]) for row in rows])
+
+    def dispatches(self) -> int:
+        """Dispatches of the main pass in the last emulated call (the groups of a ragged call)."""
+        launch = Launch()
+        self._lib.mbd_emu_last_launch(ctypes.byref(launch))
+        return launch.dispatches
+
     def vector_loads(self) -> bool:
         """Whether the last ``attention`` call loaded whole vectors (the launch plan's
         ``vector_loads``: every Q, K and V row on the vector width) or scalars."""
@@ -302,17 +405,19 @@ class EmulatedLibrary:
         self._lib.mbd_emu_last_launch(ctypes.byref(launch))
         return {name: dict(zip(BUFFERS, counts)) for name, counts in zip(("main", "reduce"), launch.loaded)}
 
-    def library_name(self, source_hash: str, dtype: str, d: int) -> str:
-        """``library_name`` of csrc/metal/kernel_library.h: the run-time library of (dtype, D)."""
+    def library_name(self, source_hash: str, dtype: str, d: int, ragged: bool = False) -> str:
+        """``library_name`` (``ragged_library_name``) of csrc/metal/kernel_library.h: the run-time
+        library of (dtype, D)."""
         out = ctypes.create_string_buffer(128)
-        self._lib.mbd_emu_library_name(source_hash.encode(), DTYPES[dtype], d, out)
+        self._lib.mbd_emu_library_name(source_hash.encode(), DTYPES[dtype], d, int(ragged), out)
         return out.value.decode()
 
-    def library_source(self, source: str, dtype: str, d: int) -> str:
-        """``library_source`` of csrc/metal/kernel_library.h: what eval_gpu compiles for (dtype, D)."""
-        size = self._lib.mbd_emu_library_source(source.encode(), DTYPES[dtype], d, None, 0)
+    def library_source(self, source: str, dtype: str, d: int, ragged: bool = False) -> str:
+        """``library_source`` (``ragged_library_source``) of csrc/metal/kernel_library.h: what
+        eval_gpu compiles for (dtype, D)."""
+        size = self._lib.mbd_emu_library_source(source.encode(), DTYPES[dtype], d, int(ragged), None, 0)
         out = ctypes.create_string_buffer(size + 1)
-        self._lib.mbd_emu_library_source(source.encode(), DTYPES[dtype], d, out, size + 1)
+        self._lib.mbd_emu_library_source(source.encode(), DTYPES[dtype], d, int(ragged), out, size + 1)
         return out.value.decode()
 
     def metal_backend(self, metal_present: bool, metallib_on_disk: bool) -> str | None:

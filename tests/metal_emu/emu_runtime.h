@@ -72,8 +72,8 @@ struct WatchedBuffer {
   int index;
 };
 
-// Buffer indices the load counts cover (the kernels bind 0..10).
-constexpr int kMaxBuffers = 16;
+// Buffer indices the load counts cover (Metal's 31; the kernels bind 0..28).
+constexpr int kMaxBuffers = 31;
 
 /** Replaces the watched buffers and zeroes their counts. */
 void watch_buffers(const WatchedBuffer* buffers, int count);

@@ -1,7 +1,8 @@
 // C entry points of the harness library: the shared launch plan, run-time
-// library names and sources, and backend choice, and one emulated decode
-// attention call that binds and dispatches exactly as the Metal launcher
+// library names and sources, and backend choice, and emulated decode
+// attention calls that bind and dispatch exactly as the Metal launcher
 // (csrc/metal/decode_launch.cpp) does.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -14,6 +15,7 @@
 #include "metal/kernel_library.h"
 #include "metal/launch_plan.h"
 #include "metal/quantized_launch_plan.h"
+#include "metal/ragged_launch_plan.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -22,6 +24,10 @@
 using namespace mlx_batched_decode;
 
 namespace {
+
+// Every buffer index a kernel binds: 0 .. the ragged kernel's last slot.
+constexpr int kBindings = kRaggedSlot0 + kRaggedSlots;
+static_assert(kBindings <= emu::kMaxBuffers);
 
 int report(const std::string& message, char* error, int error_len) {
   if (error_len > 0) {
@@ -47,7 +53,7 @@ std::vector<emu::WatchedBuffer> distinct_buffers(void* const* buffers, const uns
   std::vector<emu::WatchedBuffer> out;
   for (int i = 0; i < count; ++i) {
     const char* begin = static_cast<const char*>(buffers[i]);
-    bool seen = false;
+    bool seen = begin == nullptr;
     for (const emu::WatchedBuffer& w : out) {
       seen |= w.begin == begin;
     }
@@ -59,6 +65,17 @@ std::vector<emu::WatchedBuffer> distinct_buffers(void* const* buffers, const uns
 }
 
 // Binds the inputs, the output and the params at their indices as eval_gpu does.
+// The B keys and B values of a ragged call as eval_gpu describes them: array i
+// (keys, then values) starts at arrays[i] inside buffers[i], with strides
+// strides[2i] (head) and strides[2i + 1] (position) in elements.
+void ragged_arrays(int B, void* const* arrays, void* const* buffers, const long long* strides,
+                   std::vector<RaggedArray>& keys, std::vector<RaggedArray>& values) {
+  for (int i = 0; i < 2 * B; ++i) {
+    const int64_t offset = static_cast<const char*>(arrays[i]) - static_cast<const char*>(buffers[i]);
+    (i < B ? keys : values).push_back({buffers[i], offset, strides[2 * i], strides[2 * i + 1]});
+  }
+}
+
 void bind_inputs(const LaunchShape& s, void** buffers, const void* queries, const void* keys, const void* values,
                  const int* valid_lens, const int* kv_starts, const float* sinks, void* out, void* params) {
   buffers[kQueries] = const_cast<void*>(queries);
@@ -85,10 +102,12 @@ struct MbdPlan {
   unsigned long long partial_acc_elems, partial_stats_elems;
 };
 
-/** What the last mbd_emu_attention call did: the vector-load decision and, in
- * a "loads" build, the bytes each pass (main, reduce) loaded per buffer index. */
+/** What the last emulated call did: the vector-load decision, the main pass's
+ * dispatches (ragged groups; 1 otherwise) and, in a "loads" build, the bytes
+ * each pass (main, reduce) loaded per buffer index. */
 struct MbdLaunch {
   int vector_loads;
+  int dispatches;
   unsigned long long loaded[2][emu::kMaxBuffers];
 };
 
@@ -123,16 +142,26 @@ int mbd_emu_plan(const int shape[11], MbdPlan* out, char* error, int error_len) 
   }
 }
 
+/** The ragged layout's buffers as eval_gpu binds them: array i (keys, then
+ * values) lies in buffer buffers[i] of buffer_bytes[i] bytes. */
+struct RaggedBinding {
+  const RaggedLayout& layout;
+  void* const* buffers;
+  const unsigned long long* buffer_bytes;
+};
+
 /**
  * Binds what eval_gpu binds past the inputs (the split-K partials, NaN-filled
  * so that a split that wrote nothing shows up in the result; buffers[kOut]
- * is set by the caller) and dispatches the main pass and, when split, the
- * reduce. buffers[0 .. count) are bound at their indices; input_bytes: the
- * bytes of every input buffer (by index; the outputs' are set here), for the
- * load counts.
+ * is set by the caller) and dispatches the main pass (once per group of a
+ * ragged layout, binding its slots) and, when split, the reduce, which gets
+ * the ragged table (buffers[kRequests], set by the caller) or valid_lens at
+ * kRequests. buffers[0 .. kBindings) are bound at their indices; bytes: those
+ * of every input buffer (by index; the outputs' are set here), for the load counts.
  */
 static std::string run_passes(const LaunchShape& s, const LaunchPlan& plan, void** buffers,
-                              unsigned long long* bytes, int count, bool vectors, int backend) {
+                              unsigned long long* bytes, bool vectors, int backend,
+                              const RaggedBinding* ragged = nullptr) {
   last_launch.vector_loads = vectors;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> partial_acc(plan.partial_acc_elems, nan);
@@ -149,22 +178,49 @@ static std::string run_passes(const LaunchShape& s, const LaunchPlan& plan, void
   bytes[kPartialAcc] = split ? partial_acc.size() * sizeof(float) : out_bytes;
   bytes[kPartialMax] = split ? partial_max.size() * sizeof(float) : out_bytes;
   bytes[kPartialSum] = split ? partial_sum.size() * sizeof(float) : out_bytes;
-  const std::vector<emu::WatchedBuffer> watched = distinct_buffers(buffers, bytes, count);
 
   unsigned grid[3], group[3];
-  copy3(plan.grid, grid);
   copy3(plan.group, group);
   const emu::ConstantValue constants[] = {{MBD_FC_ROWS, &plan.rows_per_group, sizeof(int)},
                                           {MBD_FC_VECTOR_LOADS, &vectors, sizeof(bool)}};
-  emu::watch_buffers(watched.data(), int(watched.size()));
-  std::string problem =
-      emu::dispatch(plan.kernel.c_str(), buffers, count, grid, group, emu::Backend(backend), constants, 2);
-  emu::loaded_bytes(last_launch.loaded[0]);
+  std::string problem;
+  RaggedGroupParams group_params{};
+  const int dispatches = ragged ? int(ragged->layout.groups.size()) : 1;
+  for (int g = 0; g < dispatches && problem.empty(); ++g) {
+    copy3(plan.grid, grid);
+    if (ragged) {
+      // As bind_group in decode_launch.cpp: each slot at its buffer's start, unused ones to valid_lens.
+      const RaggedGroup& rg = ragged->layout.groups[g];
+      for (int slot = 0; slot < kRaggedSlots; ++slot) {
+        const bool used = slot < int(rg.slots.size());
+        buffers[kRaggedSlot0 + slot] = used ? ragged->buffers[rg.slots[slot]] : buffers[kValidLens];
+        bytes[kRaggedSlot0 + slot] = used ? ragged->buffer_bytes[rg.slots[slot]] : bytes[kValidLens];
+      }
+      group_params.first_request = rg.first;
+      buffers[kRaggedGroup] = &group_params;
+      bytes[kRaggedGroup] = sizeof(group_params);
+      copy3(ragged_group_grid(plan, rg), grid);
+    }
+    const std::vector<emu::WatchedBuffer> watched = distinct_buffers(buffers, bytes, kBindings);
+    emu::watch_buffers(watched.data(), int(watched.size()));
+    problem = emu::dispatch(plan.kernel.c_str(), buffers, kBindings, grid, group, emu::Backend(backend), constants, 2);
+    unsigned long long loaded[emu::kMaxBuffers];
+    emu::loaded_bytes(loaded);
+    for (int i = 0; i < emu::kMaxBuffers; ++i) {
+      last_launch.loaded[0][i] += loaded[i];
+    }
+    ++last_launch.dispatches;
+  }
   if (problem.empty() && split) {
+    if (!ragged) {
+      buffers[kRequests] = buffers[kValidLens];
+      bytes[kRequests] = bytes[kValidLens];
+    }
     copy3(plan.reduce_grid, grid);
     copy3(plan.reduce_group, group);
+    const std::vector<emu::WatchedBuffer> watched = distinct_buffers(buffers, bytes, kBindings);
     emu::watch_buffers(watched.data(), int(watched.size()));
-    problem = emu::dispatch(plan.reduce_kernel.c_str(), buffers, count, grid, group, emu::Backend(backend));
+    problem = emu::dispatch(plan.reduce_kernel.c_str(), buffers, kBindings, grid, group, emu::Backend(backend));
     emu::loaded_bytes(last_launch.loaded[1]);
   }
   return problem;
@@ -204,16 +260,16 @@ int mbd_emu_attention(const int shape[11], const long long strides[12], const vo
     const InputOffsets offsets{int64_t(reinterpret_cast<std::uintptr_t>(queries)),
                                int64_t(reinterpret_cast<std::uintptr_t>(keys)),
                                int64_t(reinterpret_cast<std::uintptr_t>(values))};
-    void* buffers[kParams + 1] = {};
+    void* buffers[kBindings] = {};
     bind_inputs(s, buffers, queries, keys, values, valid_lens, kv_starts, sinks, out, &params);
     if (paged != nullptr) {
       buffers[kKvStarts] = const_cast<int*>(kv_starts); // the block tables, as eval_gpu binds them
     }
-    unsigned long long bytes[kParams + 1] = {input_bytes[0], input_bytes[1], input_bytes[2],
-                                             input_bytes[3], input_bytes[4], input_bytes[5]};
+    unsigned long long bytes[kBindings] = {input_bytes[0], input_bytes[1], input_bytes[2],
+                                           input_bytes[3], input_bytes[4], input_bytes[5]};
     bytes[kParams] = sizeof(params);
     const std::string problem =
-        run_passes(s, plan, buffers, bytes, kParams + 1, vector_loads(s, plan, st, offsets, layout), backend);
+        run_passes(s, plan, buffers, bytes, vector_loads(s, plan, st, offsets, layout), backend);
     return problem.empty() ? 0 : report(problem, error, error_len);
   } catch (const std::exception& e) {
     return report(e.what(), error, error_len);
@@ -253,10 +309,10 @@ int mbd_emu_quantized_attention(const int shape[11], const long long strides[12]
       }
     }
     QuantizedDecodeParams qparams = make_quantized_params(s, qs, quant[1], KernelDtype(quant[2]));
-    void* buffers[MBD_QUANT_PARAMS + 1] = {};
+    void* buffers[kBindings] = {};
     bind_inputs(s, buffers, queries, keys, values, valid_lens, kv_starts, sinks, out, &params);
-    unsigned long long bytes[MBD_QUANT_PARAMS + 1] = {input_bytes[0], input_bytes[1], input_bytes[2],
-                                                      input_bytes[3], input_bytes[4], input_bytes[5]};
+    unsigned long long bytes[kBindings] = {input_bytes[0], input_bytes[1], input_bytes[2],
+                                           input_bytes[3], input_bytes[4], input_bytes[5]};
     bytes[kParams] = sizeof(params);
     for (int i = 0; i < 4; ++i) {
       buffers[MBD_QUANT_KEY_SCALES + i] = scales_biases[i];
@@ -265,28 +321,104 @@ int mbd_emu_quantized_attention(const int shape[11], const long long strides[12]
     buffers[MBD_QUANT_PARAMS] = &qparams;
     bytes[MBD_QUANT_PARAMS] = sizeof(qparams);
     const bool vectors = quantized_vector_loads(s, plan, st, int64_t(reinterpret_cast<std::uintptr_t>(queries)));
-    const std::string problem = run_passes(s, plan, buffers, bytes, MBD_QUANT_PARAMS + 1, vectors, backend);
+    const std::string problem = run_passes(s, plan, buffers, bytes, vectors, backend);
     return problem.empty() ? 0 : report(problem, error, error_len);
   } catch (const std::exception& e) {
     return report(e.what(), error, error_len);
   }
 }
 
-/** What the last mbd_emu_attention call did. */
+/**
+ * Emulated ragged decode attention, bound and dispatched as eval_gpu of
+ * RaggedDecodeAttention does: the shape's T is the longest T_b; strides as
+ * mbd_emu_attention's (the K/V ones are not read); arrays, buffers, strides:
+ * the B keys and B values (see ragged_arrays; arrays of one buffer name the
+ * same buffers[i], and share a slot), buffer_bytes[i] the bytes of buffers[i];
+ * lengths: each request's T_b; input_bytes: those of queries, valid_lens,
+ * kv_starts and sinks from their first element.
+ */
+int mbd_emu_ragged_attention(const int shape[11], const long long strides[12], const void* queries,
+                             const int* valid_lens, const int* kv_starts, const float* sinks,
+                             const unsigned long long input_bytes[4], void* const* arrays, void* const* buffers,
+                             const unsigned long long* buffer_bytes, const long long* array_strides,
+                             const int* lengths, void* out, float scale, int backend, char* error, int error_len) {
+  try {
+    std::memset(&last_launch, 0, sizeof(last_launch));
+    const LaunchShape s = to_shape(shape);
+    std::vector<RaggedArray> keys, values;
+    ragged_arrays(s.batch, arrays, buffers, array_strides, keys, values);
+    const RaggedLayout layout = make_ragged_layout(keys, values, std::vector<int>(lengths, lengths + s.batch),
+                                                   s.num_kv_heads, dtype_size(s.dtype));
+    const LaunchPlan plan = make_ragged_launch_plan(s);
+    const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
+                          strides[6], strides[7], strides[8], strides[9], strides[10], strides[11]};
+    BatchedDecodeParams params = make_ragged_params(s, plan, st, scale);
+    void* buffers_bound[kBindings] = {};
+    bind_inputs(s, buffers_bound, queries, nullptr, nullptr, valid_lens, kv_starts, sinks, out, &params);
+    buffers_bound[kRequests] = const_cast<RaggedRequest*>(layout.table.data());
+    unsigned long long bytes[kBindings] = {input_bytes[0], 0, 0, input_bytes[1], input_bytes[2], input_bytes[3]};
+    bytes[kParams] = sizeof(params);
+    bytes[kRequests] = layout.table.size() * sizeof(RaggedRequest);
+    const bool vectors =
+        ragged_vector_loads(s, plan, st, int64_t(reinterpret_cast<std::uintptr_t>(queries)), layout);
+    const RaggedBinding binding{layout, buffers, buffer_bytes};
+    const std::string problem = run_passes(s, plan, buffers_bound, bytes, vectors, backend, &binding);
+    return problem.empty() ? 0 : report(problem, error, error_len);
+  } catch (const std::exception& e) {
+    return report(e.what(), error, error_len);
+  }
+}
+
+/**
+ * make_ragged_layout of csrc/metal/ragged_launch_plan.h for B requests (arrays
+ * as mbd_emu_ragged_attention's), groups of at most `slots` buffers: writes
+ * the table (B entries) and, per group, {first, count, its slots' arrays, -1
+ * past them} (2 + MBD_RAGGED_SLOTS ints, at most B groups); returns the
+ * number of groups, or -1 with the error.
+ */
+int mbd_emu_ragged_layout(int B, void* const* arrays, void* const* buffers, const long long* array_strides,
+                          const int* lengths, int num_kv_heads, int itemsize, int slots, RaggedRequest* table,
+                          int* groups, char* error, int error_len) {
+  try {
+    std::vector<RaggedArray> keys, values;
+    ragged_arrays(B, arrays, buffers, array_strides, keys, values);
+    const RaggedLayout layout =
+        make_ragged_layout(keys, values, std::vector<int>(lengths, lengths + B), num_kv_heads, itemsize, slots);
+    std::copy(layout.table.begin(), layout.table.end(), table);
+    for (const RaggedGroup& g : layout.groups) {
+      groups[0] = g.first;
+      groups[1] = g.count;
+      for (int i = 0; i < kRaggedSlots; ++i) {
+        groups[2 + i] = i < int(g.slots.size()) ? g.slots[i] : -1;
+      }
+      groups += 2 + kRaggedSlots;
+    }
+    return int(layout.groups.size());
+  } catch (const std::exception& e) {
+    report(e.what(), error, error_len);
+    return -1;
+  }
+}
+
+/** What the last emulated call did. */
 void mbd_emu_last_launch(MbdLaunch* out) {
   *out = last_launch;
 }
 
-/** library_name of csrc/metal/kernel_library.h. */
-void mbd_emu_library_name(const char* source_hash, int dtype, int head_dim, char out[128]) {
-  std::strncpy(out, library_name(source_hash, KernelDtype(dtype), head_dim).c_str(), 127);
+/** library_name (ragged: ragged_library_name) of csrc/metal/kernel_library.h. */
+void mbd_emu_library_name(const char* source_hash, int dtype, int head_dim, int ragged, char out[128]) {
+  const std::string name = ragged ? ragged_library_name(source_hash, KernelDtype(dtype), head_dim)
+                                  : library_name(source_hash, KernelDtype(dtype), head_dim);
+  std::strncpy(out, name.c_str(), 127);
   out[127] = '\0';
 }
 
-/** library_source of csrc/metal/kernel_library.h, written to out when it fits
- * (out_len bytes, the NUL included); returns its length. */
-long long mbd_emu_library_source(const char* source, int dtype, int head_dim, char* out, long long out_len) {
-  const std::string text = library_source(source, KernelDtype(dtype), head_dim);
+/** library_source (ragged: ragged_library_source) of csrc/metal/kernel_library.h, written
+ * to out when it fits (out_len bytes, the NUL included); returns its length. */
+long long mbd_emu_library_source(const char* source, int dtype, int head_dim, int ragged, char* out,
+                                 long long out_len) {
+  const std::string text = ragged ? ragged_library_source(source, KernelDtype(dtype), head_dim)
+                                  : library_source(source, KernelDtype(dtype), head_dim);
   if (out_len > (long long)text.size()) {
     std::memcpy(out, text.c_str(), text.size() + 1);
   }

@@ -13,9 +13,10 @@ MUTATIONS = {
         "      threadgroup_barrier(mem_flags::mem_threadgroup);\n      // Output rows are",
         "      // Output rows are",
     ),
+    # (bound kept used: warnings fail the build.)
     "removed_length_clamp": (
-        "const int len = clamp(valid_lens[b * p.lens_stride], 0, p.seq_len);",
-        "const int len = valid_lens[b * p.lens_stride];",
+        "const int len = clamp(valid_lens[b * p.lens_stride], 0, bound);",
+        "const int len = valid_lens[b * p.lens_stride] + 0 * bound;",
     ),
     "simd_sum_in_half_the_lanes": (
         "        s = simd_sum(s);\n",
@@ -79,6 +80,29 @@ MUTATIONS = {
         "(m_max != -bda_inf || bda_holds_key(kv_starts, p, b, row_lo[r], row_hi[r]));",
         "true;",
     ),
+    # Ragged row source (tests/kernels/metal/test_metal_ragged_mutations.py): a length clamped to the
+    # longest T_b (T), not the request's own, in both passes.
+    "ragged_length_unclamped": (
+        "const int bound = p.ragged ? requests[b].length : p.seq_len;",
+        "const int bound = p.ragged ? max(requests[b].length, p.seq_len) : p.seq_len;",
+    ),
+    "ragged_values_in_the_keys_slot": (
+        "values = slots.pick(r.v_slot) + r.v_offset",
+        "values = slots.pick(r.k_slot) + r.v_offset",
+    ),
+    "ragged_wrong_slot": (
+        "      case 1: return slot[1];\n",
+        "      case 1: return slot[0];\n",
+    ),
+    # Every group serves requests 0 .. count - 1 (the parameter kept used: warnings fail the build).
+    "ragged_group_offset_ignored": (
+        "group.first_request + int(tgid.z)",
+        "0 * group.first_request + int(tgid.z)",
+    ),
+    "ragged_request_offset_ignored": (
+        "keys = slots.pick(r.k_slot) + r.k_offset + h * r.k_head_stride;",
+        "keys = slots.pick(r.k_slot) + h * r.k_head_stride;",
+    ),
     # Vector loads whatever the views' alignment (UBSan reports them, see test_metal_sanitizers).
     "vector_loads_whatever_the_alignment": (
         "constant bool bda_vector_loads [[function_constant(MBD_FC_VECTOR_LOADS)]];",
@@ -89,6 +113,10 @@ MUTATIONS = {
 
 # Mutations of the paged row source, run on paged cases (tests/kernels/metal/test_metal_paged_mutations.py).
 PAGED_ONLY = {"paged_entry_above_pool_read", "paged_out_of_pool_row_read", "paged_row_without_keys_not_zeroed"}
+
+# Mutations of the ragged row source, run on ragged cases (tests/kernels/metal/test_metal_ragged_mutations.py).
+RAGGED_ONLY = {"ragged_length_unclamped", "ragged_values_in_the_keys_slot", "ragged_wrong_slot",
+               "ragged_group_offset_ignored", "ragged_request_offset_ignored"}
 
 # Caught by the AddressSanitizer + UBSan build only (tests/kernels/metal/test_metal_sanitizers.py):
 # on x86 a misaligned vector load reads the right bytes.

@@ -19,22 +19,28 @@ from .build import KERNEL_DIR, kernel_text
 
 HEADER = "batched_decode_attention.h"
 MSL_TYPES = {"float16": "half", "bfloat16": "bfloat", "float32": "float"}
-_KERNEL = re.compile(r"batched_decode_attention_(float16|bfloat16|float32)_(upto)?(\d+)")
+_KERNEL = re.compile(r"(ragged_decode_attention|batched_decode_attention)_(float16|bfloat16|float32)_(upto)?(\d+)")
 
 
-def instantiation(kernel: str) -> str:
-    """The .metal instantiation of main kernel ``kernel`` (a plan's host name) and its reduce."""
+def instantiations(kernel: str) -> list[str]:
+    """The .metal instantiations of main kernel ``kernel`` (a plan's host name) and its reduce (with
+    the dense main kernel for a ragged one, as ``ragged_kernel_instantiation`` in kernel_library.h)."""
     match = _KERNEL.fullmatch(kernel)
     if match is None:
         raise ValueError(f"not a main kernel's host name: {kernel}")
-    dtype, generic, dim = match.groups()
-    return f"instantiate_{'generic' if generic else 'fast'}({dtype}, {MSL_TYPES[dtype]}, {dim})"
+    family, dtype, generic, dim = match.groups()
+    kind = "generic" if generic else "fast"
+    dense = f"instantiate_{kind}({dtype}, {MSL_TYPES[dtype]}, {dim})"
+    if family == "ragged_decode_attention":
+        return [dense, f"instantiate_ragged_{kind}({dtype}, {MSL_TYPES[dtype]}, {dim})"]
+    return [dense]
 
 
 def library_source(text: str, kernels: Iterable[str]) -> str:
     """``text`` (a flattened source) compiling only the main kernels ``kernels`` and their reduces:
     for one kernel, what ``library_source`` in csrc/metal/kernel_library.h makes."""
-    return "#define MBD_KERNELS " + " ".join(instantiation(k) for k in sorted(set(kernels))) + "\n" + text
+    lines = dict.fromkeys(line for k in sorted(set(kernels)) for line in instantiations(k))
+    return "#define MBD_KERNELS " + " ".join(lines) + "\n" + text
 
 
 def _replace_once(path: Path, original: str, replacement: str) -> None:

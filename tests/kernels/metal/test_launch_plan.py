@@ -124,12 +124,16 @@ def test_launcher_uses_the_plan():
     source = (REPO / "csrc" / "metal" / "decode_launch.cpp").read_text()
     ops = (REPO / "csrc" / "metal" / "eval_gpu.cpp").read_text()
     assert '#include "launch_plan.h"' in source
-    assert source.count("plan_for(shape, quantized)") == 2 and "make_launch_plan(shape)" in source
+    assert source.count("plan_for(shape, quantized, ragged)") == 2 and "make_launch_plan(shape)" in source
+    assert "make_ragged_launch_plan(shape)" in source and "ragged_group_grid(plan, " in source
+    assert "ragged_vector_loads(shape, provisional, strides, offsets.q, ragged->layout)" in source
+    assert "make_ragged_layout(keys, values, lengths, rows.H_kv," in ops
     assert "make_params(" in source
     assert "{&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS}" in source
     assert "{&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}" in source
     assert "vector_loads(shape, provisional, strides, offsets, paged)" in source
     assert "effective_window(at.window, rows.T)" in ops
     for index in ("kQueries", "kKeys", "kValues", "kValidLens", "kKvStarts", "kSinks", "kOut", "kPartialAcc",
-                  "kPartialMax", "kPartialSum", "kParams"):
+                  "kPartialMax", "kPartialSum", "kParams", "kRequests", "kRaggedGroup"):
         assert f", {index})" in source
+    assert "kRaggedSlot0 + s" in source

@@ -47,9 +47,11 @@ def test_metal_build_matches_mlx_host_api(source):
 @needs_headers
 @pytest.mark.parametrize(
     "original,broken,diagnostic",
-    [("encoder.add_temporary(", "encoder.add_temporaries_of(", "add_temporaries_of"),
+    [("encoder.add_temporary(p);", "encoder.add_temporaries_of(p);", "add_temporaries_of"),
      # The run-time compile: get_library(name, CompileOptions, builder) of mlx 0.32.x, the builder giving a string.
-     ("{ return kernel_source(dtype, head_dim, bits); }", "{ return 0; }", "get_library"),
+     ("{ return kernel_source(dtype, head_dim, bits, ragged); }", "{ return 0; }", "get_library"),
+     # Ragged groups after the first register their outputs without rebinding them.
+     ("encoder.register_output_array(out);", "encoder.register_output(out);", "register_output"),
      ("{&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}",
       "{vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}", "MTLFCList")])
 def test_the_check_bites(tmp_path, original, broken, diagnostic):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.metal_emu.build import CXX, build_library
-from tests.metal_emu.check_cases import CASE_SETS
+from tests.metal_emu.check_cases import CASE_SETS, RAGGED_CASE_SETS
 from tests.metal_emu.driver import EmulatedLibrary
 from tests.metal_emu.mutants import mutant_source
 from tests.metal_emu.sources import subset_source
@@ -34,11 +34,16 @@ REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "WARNING: ThreadSanitize
 
 @functools.cache
 def kernels() -> tuple[str, ...]:
-    """The main kernels the launch plan picks for every case of check_cases."""
+    """The main kernels the launch plan picks for every case of check_cases (ragged ones for its
+    ragged cases)."""
     lib = EmulatedLibrary(build_library())
-    return tuple(sorted({lib.plan(len(c["lens"]), c["h_kv"] * c["g"], c["h_kv"], c["t"], c["d"], c["dtype"],
-                                  rows=c.get("rows", 1), window=c.get("window"))["kernel"]
-                         for cases in CASE_SETS.values() for c in cases}))
+    dense = {lib.plan(len(c["lens"]), c["h_kv"] * c["g"], c["h_kv"], c["t"], c["d"], c["dtype"],
+                      rows=c.get("rows", 1), window=c.get("window"))["kernel"]
+             for cases in CASE_SETS.values() for c in cases}
+    ragged = {lib.plan(len(c["lengths"]), c["h_kv"] * c["g"], c["h_kv"], max(c["lengths"]), c["d"], c["dtype"],
+                       rows=c.get("rows", 1), window=c.get("window"))["kernel"].replace("batched_", "ragged_")
+              for cases in RAGGED_CASE_SETS.values() for c in cases}
+    return tuple(sorted(dense | ragged))
 
 
 def run_sanitized(sanitizer: str, library: Path, *args: str) -> subprocess.CompletedProcess:
@@ -71,18 +76,37 @@ def test_clamped_positions_stay_in_bounds():
     assert result.stdout.count("ok ") == len(CASE_SETS["adversarial"])
 
 
-def test_unaligned_views_take_no_misaligned_vector_load():
-    """Views off the vector width run clean under UBSan, which reports any
-    misaligned vector load: with vector loads forced whatever the views, it does."""
-    library = build_library(subset_source(kernels()), sanitize="address")
-    result = run_sanitized("address", library, "--cases", "unaligned", "--poison-unread")
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert result.stdout.count("ok ") == len(CASE_SETS["unaligned"])
-    mutant = build_library(mutant_source("vector_loads_whatever_the_alignment", kernels()), sanitize="address")
-    result = run_sanitized("address", mutant, "--cases", "unaligned")
+def test_ragged_requests_stay_in_their_buffers():
+    """Requests in buffers of exactly their size, lengths far above T_b, T_b = 0, several groups,
+    every unattended position poisoned: no report, and each case right."""
+    result = run_sanitized("address", build_library(subset_source(kernels()), sanitize="address"),
+                           "--cases", "ragged_adversarial", "--no-nan-margins", "--poison-unread")
+    assert result.returncode == 0 and not [r for r in REPORTS if r in result.stderr], result.stderr[-3000:]
+    assert result.stdout.count("ok ") == len(RAGGED_CASE_SETS["ragged_adversarial"])
+
+
+def test_ragged_length_past_its_buffer_is_a_heap_buffer_overflow():
+    """A length clamped to the longest T_b, not the request's own, reads past its buffer."""
+    library = build_library(mutant_source("ragged_length_unclamped", kernels()), sanitize="address")
+    result = run_sanitized("address", library, "--cases", "ragged_adversarial", "--no-nan-margins")
     assert result.returncode != 0
-    assert re.search(r"batched_decode_attention\.h:\d+:\d+: runtime error: .* misaligned address", result.stderr), \
-        result.stderr[-3000:]
+    assert "AddressSanitizer: heap-buffer-overflow" in result.stderr, result.stderr[-3000:]
+
+
+def test_unaligned_views_take_no_misaligned_vector_load():
+    """Views off the vector width (dense, and ragged requests) run clean under UBSan, which
+    reports any misaligned vector load: with vector loads forced whatever the views, it does."""
+    library = build_library(subset_source(kernels()), sanitize="address")
+    mutant = build_library(mutant_source("vector_loads_whatever_the_alignment", kernels()), sanitize="address")
+    for cases, count in (("unaligned", len(CASE_SETS["unaligned"])),
+                         ("ragged_unaligned", len(RAGGED_CASE_SETS["ragged_unaligned"]))):
+        result = run_sanitized("address", library, "--cases", cases, "--poison-unread")
+        assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+        assert result.stdout.count("ok ") == count
+        result = run_sanitized("address", mutant, "--cases", cases)
+        assert result.returncode != 0
+        assert re.search(r"batched_decode_attention\.h:\d+:\d+: runtime error: .* misaligned address",
+                         result.stderr), result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("mutation", ["removed_length_clamp", "removed_kv_starts_clamp"])

@@ -70,8 +70,12 @@ def test_source_is_ascii_and_self_contained():
 def test_source_instantiates_every_planned_kernel(planned, tmp_path):
     names = host_names(mbd.metal_source(), tmp_path)
     quantized = {n for n in names if n.startswith("quantized_")}
-    assert names - quantized == {name for pair in planned.values() for name in pair}
-    assert len(names - quantized) == 2 * 3 * 15
+    ragged = {n for n in names if n.startswith("ragged_")}
+    assert names - quantized - ragged == {name for pair in planned.values() for name in pair}
+    assert len(names - quantized - ragged) == 2 * 3 * 15
+    # The ragged main kernel of every dense one (csrc/metal/ragged_launch_plan.h's ragged_kernel_name).
+    assert ragged == {main.replace("batched_decode_attention_", "ragged_decode_attention_")
+                      for main, _ in planned.values()}
     # The quantized main kernels of every head dim a group size divides (multiples of 32),
     # named as csrc/metal/quantized_launch_plan.h's quantized_kernel_name; their reduce is the dense one.
     fast = {32, 64, 96, 128, 160, 192, 256, 512}
@@ -107,6 +111,21 @@ def test_run_time_libraries_hold_the_planned_pair(lib, planned, tmp_path):
         assert name == f"mlx_batched_decode_{digest}_{kernel.removeprefix('batched_decode_attention_')}"
         names.add(name)
     assert len(names) == 3 * 15
+
+
+def test_ragged_run_time_libraries(lib, planned, tmp_path):
+    """The ragged library of a dtype and head dim (C++ ragged_library_source): its main kernel,
+    the dense pair (for the reduce), under a name of its own."""
+    text = mbd.metal_source()
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    for dtype, d in (("float16", 128), ("bfloat16", 100), ("float32", 1)):
+        kernel, reduce = planned[dtype, d]
+        ragged = kernel.replace("batched_decode_attention_", "ragged_decode_attention_")
+        source = lib.library_source(text, dtype, d, ragged=True)
+        assert source == library_source(text, [ragged])
+        assert host_names(source, tmp_path) == {ragged, kernel, reduce}
+        suffix = kernel.removeprefix("batched_decode_attention_")
+        assert lib.library_name(digest, dtype, d, ragged=True) == f"mlx_batched_decode_{digest}_ragged_{suffix}"
 
 
 def test_run_time_library_runs(lib):

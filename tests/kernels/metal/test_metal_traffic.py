@@ -9,6 +9,9 @@ request's G x L query rows fit one threadgroup (8 rows; 4 above D = 256).
 Beyond that, each threadgroup row chunk reads the keys of its own rows again:
 the ratio is the predicted one, above 1.
 
+The ragged row source (one buffer per request, bound in groups of slots) reads what the dense
+one reads for the same shapes, to the byte.
+
 Run as a script (``python -m tests.kernels.metal.test_metal_traffic`` from the repository root)
 it prints the ratio of every variant, the table the README shows.
 
@@ -25,7 +28,8 @@ import pytest
 
 from tests.metal_emu.build import build_library
 from tests.metal_emu.cases import attended, make_case
-from tests.metal_emu.driver import EmulatedLibrary
+from tests.metal_emu.driver import RAGGED_SLOTS, EmulatedLibrary
+from tests.metal_emu.ragged_cases import RaggedCase
 from tests.metal_emu.reference import TOLERANCE, row_range, to_float64
 from tests.metal_emu.sources import subset_source
 
@@ -56,6 +60,9 @@ SEVERAL_CHUNKS = {
     "D = 512, G = 8": dict(dtype="float16", d=512, h_kv=1, g=8, t=30, lens=[30, 7]),
 }
 VARIANTS = {**ONE_CHUNK, **SEVERAL_CHUNKS}
+# Variants run again through the ragged row source.
+RAGGED = ["dense", "dense, split-K", "kv_starts, L = 3", "window 300, split-K", "scalar loads (odd row stride)",
+          "generic head dim (D = 100)", "G = 4, L = 4, window 8"]
 
 
 @functools.cache
@@ -70,8 +77,9 @@ def plan(spec: dict) -> dict:
 
 @functools.cache
 def counting_lib() -> EmulatedLibrary:
-    return EmulatedLibrary(build_library(subset_source(plan(s)["kernel"] for s in VARIANTS.values()),
-                                         sanitize="loads"))
+    dense = [plan(s)["kernel"] for s in VARIANTS.values()]
+    ragged = [plan(VARIANTS[name])["kernel"].replace("batched_", "ragged_") for name in RAGGED]
+    return EmulatedLibrary(build_library(subset_source(dense + ragged), sanitize="loads"))
 
 
 def run(name: str):
@@ -115,6 +123,14 @@ def ratio(name: str) -> float:
     return (loads["main"]["keys"] + loads["main"]["values"]) / minimum_kv_bytes(case)
 
 
+def ragged_ratio(name: str) -> float:
+    """As ``ratio``, through the ragged row source with buffers of the requests' own."""
+    case, _, _ = run(name)
+    ragged_of(case, own=True).run(counting_lib())
+    loads = counting_lib().loads()["main"]
+    return sum(loads[f"slot{i}"] for i in range(RAGGED_SLOTS)) / minimum_kv_bytes(case)
+
+
 @pytest.mark.parametrize("name", list(ONE_CHUNK))
 def test_kv_bytes_are_the_minimum(name):
     case, out, loads = run(name)
@@ -138,6 +154,36 @@ def test_row_chunks_read_their_keys_again(name):
     assert kv == chunked_kv_bytes(case, p) > minimum_kv_bytes(case)
 
 
+def ragged_of(case, own: bool) -> RaggedCase:
+    """The dense case as a ragged call: request b's keys and values are views [b] of the dense
+    ones (one buffer each: two slots), or copies of their first len_b positions (T_b = len_b)."""
+    t = case.keys.shape[2]
+    lengths = np.clip(case.valid_lens, 0, t)
+    pick = (lambda a, b: a[b, :, :lengths[b]].copy()) if own else (lambda a, b: a[b])
+    return RaggedCase(case.dtype, case.queries, [pick(case.keys, b) for b in range(len(lengths))],
+                      [pick(case.values, b) for b in range(len(lengths))], case.valid_lens, case.scale,
+                      case.kv_starts, case.window, case.sinks)
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["views", "own buffers"])
+@pytest.mark.parametrize("name", RAGGED)
+def test_ragged_rows_read_what_dense_rows_read(name, own):
+    """Every K/V byte the dense kernel loads, and no other, whether the requests share the dense
+    buffers or hold buffers of their own; the same output."""
+    case, out, loads = run(name)
+    ragged = ragged_of(case, own)
+    got = ragged.run(counting_lib())
+    counted = counting_lib().loads()
+    slots = [f"slot{i}" for i in range(RAGGED_SLOTS)]
+    assert sum(counted["main"][s] for s in slots) == loads["main"]["keys"] + loads["main"]["values"]
+    assert sum(counted["reduce"][s] for s in slots) == 0
+    assert counted["main"]["queries"] == loads["main"]["queries"]
+    np.testing.assert_allclose(to_float64(got, case.dtype), to_float64(out, case.dtype), atol=TOLERANCE[case.dtype],
+                               rtol=TOLERANCE[case.dtype])
+    if not own:
+        np.testing.assert_array_equal(got, out)
+
+
 def test_counts_see_every_load():
     """The counts bite: queries, lengths and parameters are loaded too, stores
     and unbound options are not, and longer requests load exactly their keys."""
@@ -150,6 +196,7 @@ def test_counts_see_every_load():
 
 
 if __name__ == "__main__":
-    print("| variant | K/V bytes loaded / minimum |\n|---|---|")
+    print("| variant | K/V bytes loaded / minimum | ragged |\n|---|---|---|")
     for variant in VARIANTS:
-        print(f"| {variant} | {ratio(variant):.2f} |")
+        ragged = f"{ragged_ratio(variant):.2f}" if variant in RAGGED else ""
+        print(f"| {variant} | {ratio(variant):.2f} | {ragged} |")
