@@ -33,7 +33,7 @@ def require_toolchain():
 def compile_object(source, out_dir=BUILD, includes=()):
     """source compiled into out_dir, unless an object newer than it and every header is there."""
     obj = out_dir / (source.stem + ".o")
-    headers = max(p.stat().st_mtime for p in (REPO / "csrc").rglob("*.h"))
+    headers = max(p.stat().st_mtime for p in [*(REPO / "csrc").rglob("*.h"), *DRIVERS.glob("*.h")])
     if not obj.exists() or obj.stat().st_mtime < max(source.stat().st_mtime, headers):
         flags = [f"-I{d}" for d in includes] + FLAGS
         done = subprocess.run(["g++", *flags, "-c", str(source), "-o", str(obj)], capture_output=True, text=True)

@@ -1,6 +1,6 @@
 // Runs the CPU kernel's paged row source and shared-block scheduler on random
 // adversarial block tables and lengths, with every buffer an exact-size heap
-// allocation: built with AddressSanitizer + UBSan by tests/test_paged_sanitizer.py,
+// allocation: built with AddressSanitizer + UBSan by tests/kernels/cpu/test_paged_sanitizer.py,
 // any read outside a pool, a table or the lengths is reported. Also checks each
 // output against a scalar float64 reference of the paged contract.
 #include <cmath>
@@ -11,43 +11,9 @@
 
 #include "cpu/decode_args.h"
 #include "cpu/parallel_decode.h"
+#include "reference_row.h"
 
 using namespace mlx_batched_decode::cpu;
-
-namespace {
-
-// float64 attention of row i of request b, head h over its attended positions with a key.
-double reference(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
-                 const std::vector<int32_t>& tables, int mb, int bs, int nb, int len, int L, int i, int window,
-                 int H_q, int H_kv, int D, int b, int h, int e) {
-  const int G = H_q / H_kv, kv = h / G, p = len - L + i;
-  const int lo = std::max({0, p - window + 1}), hi = p + 1;
-  double m = -INFINITY, l = 0.0, acc = 0.0;
-  std::vector<double> scores;
-  std::vector<int64_t> rows;
-  for (int t = lo; t < hi; ++t) {
-    const int32_t page = tables[b * mb + t / bs];
-    if (page < 0 || page >= nb) {
-      continue;
-    }
-    const int64_t row = ((int64_t(page) * bs + t % bs) * H_kv + kv) * D;
-    double s = 0.0;
-    for (int d = 0; d < D; ++d) {
-      s += double(q[((int64_t(b) * H_q + h) * L + i) * D + d]) * k[row + d];
-    }
-    scores.push_back(s / std::sqrt(double(D)));
-    rows.push_back(row);
-    m = std::max(m, scores.back());
-  }
-  for (size_t j = 0; j < scores.size(); ++j) {
-    const double w = std::exp(scores[j] - m);
-    l += w;
-    acc += w * v[rows[j] + e];
-  }
-  return scores.empty() ? 0.0 : acc / l;
-}
-
-} // namespace
 
 int main() {
   std::mt19937 rng(7);
@@ -108,7 +74,16 @@ int main() {
       for (int h = 0; h < H_q; ++h) {
         for (int i = 0; i < L; ++i) {
           for (int e = 0; e < D; e += 7) {
-            const double want = reference(q, k, v, tables, mb, bs, nb, len, L, i, window, H_q, H_kv, D, b, h, e);
+            const int p = len - L + i;
+            const double want = reference_row(
+                q.data() + ((int64_t(b) * H_q + h) * L + i) * D, std::max(0, p - window + 1), p + 1, D, e, [&](int t) {
+                  const int32_t page = tables[b * mb + t / bs];
+                  if (page < 0 || page >= nb) {
+                    return std::pair<const float*, const float*>{nullptr, nullptr};
+                  }
+                  const int64_t row = ((int64_t(page) * bs + t % bs) * H_kv + h / (H_q / H_kv)) * D;
+                  return std::pair<const float*, const float*>{k.data() + row, v.data() + row};
+                });
             const double got = out[((int64_t(b) * H_q + h) * L + i) * D + e];
             if (!(std::fabs(got - want) < 1e-4)) {
               if (failures++ < 5) {

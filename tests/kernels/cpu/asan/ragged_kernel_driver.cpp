@@ -14,6 +14,7 @@
 
 #include "cpu/decode_args.h"
 #include "cpu/parallel_decode.h"
+#include "reference_row.h"
 
 using namespace mlx_batched_decode::cpu;
 
@@ -25,28 +26,6 @@ struct Request {
   int64_t stride[4];
   int T_b;
 };
-
-// float64 attention of row i, head h, element e of request r over keys [lo, hi).
-double reference(const std::vector<float>& q, const Request& r, int lo, int hi, int64_t q_row, int kv, int D,
-                 int e) {
-  double m = -INFINITY, l = 0.0, acc = 0.0;
-  std::vector<double> scores;
-  for (int t = lo; t < hi; ++t) {
-    const int64_t row = kv * r.stride[1] + t * r.stride[2];
-    double s = 0.0;
-    for (int d = 0; d < D; ++d) {
-      s += double(q[q_row + d]) * r.k[row + d];
-    }
-    scores.push_back(s / std::sqrt(double(D)));
-    m = std::max(m, scores.back());
-  }
-  for (int t = lo; t < hi; ++t) {
-    const double w = std::exp(scores[t - lo] - m);
-    l += w;
-    acc += w * r.v[kv * r.stride[1] + t * r.stride[2] + e];
-  }
-  return scores.empty() ? 0.0 : acc / l;
-}
 
 // An adversarial position for a request of T_b keys: wild, past T_b, negative or in range.
 int32_t position(std::mt19937& rng, int T_b) {
@@ -126,7 +105,11 @@ int main() {
           const int p = len - L + i, lo = std::max({start, p - a.window + 1, 0}), hi = p + 1;
           const int64_t q_row = ((int64_t(b) * H_q + h) * L + i) * D;
           for (int e = 0; e < D; e += 7) {
-            const double want = reference(q, r, lo, hi, q_row, h / G, D, e);
+            const int64_t head = (h / G) * r.stride[1];
+            const double want = reference_row(q.data() + q_row, lo, hi, D, e, [&](int t) {
+              const int64_t row = head + t * r.stride[2];
+              return std::pair<const float*, const float*>{r.k.get() + row, r.v.get() + row};
+            });
             const double got = out[q_row + e];
             if (!(std::fabs(got - want) < 1e-4)) {
               if (failures++ < 5) {

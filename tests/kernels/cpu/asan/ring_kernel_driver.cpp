@@ -13,34 +13,11 @@
 
 #include "cpu/decode_args.h"
 #include "cpu/parallel_decode.h"
+#include "reference_row.h"
 
 using namespace mlx_batched_decode::cpu;
 
 namespace {
-
-// float64 attention of one query row over logical keys [lo, hi) of (b, kv),
-// element e; slot(t) is where logical position t is stored.
-template <typename Slot>
-double reference(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
-                 const int64_t* ks, int b, int kv, int lo, int hi, int64_t q_row, int D, int e, Slot slot) {
-  double m = -INFINITY, l = 0.0, acc = 0.0;
-  std::vector<double> scores;
-  for (int t = lo; t < hi; ++t) {
-    const int64_t row = b * ks[0] + kv * ks[1] + slot(t) * ks[2];
-    double s = 0.0;
-    for (int d = 0; d < D; ++d) {
-      s += double(q[q_row + d]) * k[row + d];
-    }
-    scores.push_back(s / std::sqrt(double(D)));
-    m = std::max(m, scores.back());
-  }
-  for (int t = lo; t < hi; ++t) {
-    const double w = std::exp(scores[t - lo] - m);
-    l += w;
-    acc += w * v[b * ks[0] + kv * ks[1] + slot(t) * ks[2] + e];
-  }
-  return scores.empty() ? 0.0 : acc / l;
-}
 
 int32_t wild(std::mt19937& rng, int T) {
   switch (rng() % 5) {
@@ -108,7 +85,10 @@ int main() {
           const int p = len - L + i, lo = std::max({start, p - a.window + 1, 0}), hi = p + 1;
           const int64_t q_row = ((int64_t(b) * H_q + h) * L + i) * D;
           for (int e = 0; e < D; e += 7) {
-            const double want = reference(q, k, v, ks, b, h / G, lo, hi, q_row, D, e, slot);
+            const double want = reference_row(q.data() + q_row, lo, hi, D, e, [&](int t) {
+              const int64_t row = b * ks[0] + (h / G) * ks[1] + slot(t) * ks[2];
+              return std::pair<const float*, const float*>{k.data() + row, v.data() + row};
+            });
             const double got = out[q_row + e];
             if (!(std::fabs(got - want) < 1e-4)) {
               if (failures++ < 5) {
