@@ -25,6 +25,7 @@ __all__ = list(ops.__all__)
 # to run a BatchedDecoder.
 from .attention.base import DecodeAttention
 from .attention.paged import PagedAttention
+from .attention.ring import RingSlotAttention
 from .attention.seed import SeedAttention
 from .attention.slot import QuantizedSlotAttention, SlotAttention
 from .caches.block_allocator import BlockAllocator, BlockBudgetError
@@ -33,6 +34,7 @@ from .caches.kv_cache import ContiguousKVCache, SlotKVCache
 from .caches.paged_context import PagedDecodeContext
 from .caches.paged_kv_cache import PagedKVCache
 from .caches.quantized_kv_cache import QuantizedSlotKVCache
+from .caches.ring_kv_cache import RingSlotKVCache
 from .decoding.decode_stats import DecodeStats
 from .decoding.decoder import BatchedDecoder, StepResult
 from .decoding.sampling import Sampler
@@ -50,6 +52,8 @@ __all__ += [
     "PagedKVCache",
     "QuantizedSlotAttention",
     "QuantizedSlotKVCache",
+    "RingSlotAttention",
+    "RingSlotKVCache",
     "Sampler",
     "SeedAttention",
     "SlotAttention",

@@ -9,10 +9,11 @@
 While enabled, the attention of every decode step of mlx-lm's batched generation (one new token
 per request on a left-padded ``BatchKVCache``) runs through ``batched_decode_attention`` with
 ``kv_starts`` = the cache's left padding: no mask is read or computed, no padding is read.
-``BatchRotatingKVCache`` (sliding-window) layers are served the same way until their ring wraps,
-then stay on mlx-lm's path; prefill, every other cache kind and everything outside attention run
-mlx-lm's code unchanged (``routing`` says why for each). No file of mlx-lm is edited: ``enable()``
-replaces a function and two methods in memory, ``disable()`` restores them (``patches``).
+``BatchRotatingKVCache`` (sliding-window, ``max_kv_size``) layers are served the same way, and
+once their ring wraps through ``ring_offset``; prefill, every other cache kind and everything
+outside attention run mlx-lm's code unchanged (``routing`` says why for each). No file of mlx-lm
+is edited: ``enable()`` replaces a function and two methods in memory, ``disable()`` restores
+them (``patches``).
 ``stats()`` counts the attention calls by where they ran. mlx-lm 0.32.2 is required.
 The plug-in's code lives in ``mlx_batched_decode.integrations.mlx_lm``.
 """

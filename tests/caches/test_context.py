@@ -4,9 +4,11 @@ import mlx.core as mx
 import pytest
 
 import mlx_batched_decode
+from mlx_batched_decode.attention.ring import RingSlotAttention
 from mlx_batched_decode.attention.slot import SlotAttention
 from mlx_batched_decode.caches.context import BatchedDecodeContext
 from mlx_batched_decode.caches.kv_cache import SlotKVCache
+from mlx_batched_decode.caches.ring_kv_cache import RingSlotKVCache
 
 
 def test_derived_fields_with_uneven_lengths():
@@ -74,3 +76,40 @@ def test_every_layer_reads_the_same_arrays(monkeypatch):
     assert len(seen) == num_layers
     assert all(valid_lens is ctx.valid_lens for valid_lens, _ in seen)
     assert all(shape == (3, heads, ctx.max_len, dim) for _, shape in seen)
+
+
+def test_ring_steps_per_ring_size():
+    """Rings of R positions: logical lengths min(len, R), offsets max(len - R, 0), write slots
+    mod R, and the positions attention reads; one RingStep per size, whatever the layers."""
+    ctx = BatchedDecodeContext(3, [3, 10, 20], [], query_len=2, ring_sizes=[8, 30])
+    assert sorted(ctx.rings) == [8, 30]
+    ring = ctx.rings[8]
+    assert ring.size == 8 and ring.max_len == 8
+    assert ring.valid_lens.dtype == mx.int32 and ring.valid_lens.tolist() == [5, 8, 8]
+    assert ring.ring_offset.tolist() == [0, 4, 14]
+    assert ring.new_slots.tolist() == [[3, 4], [2, 3], [4, 5]]
+    roomy = ctx.rings[30]
+    assert roomy.max_len == 22 and roomy.valid_lens.tolist() == [5, 12, 22]
+    assert roomy.ring_offset.tolist() == [0, 0, 0]
+    with pytest.raises(ValueError, match=r"^\[BatchedDecodeContext\] a ring of 2 positions"):
+        BatchedDecodeContext(1, [4], [], query_len=3, ring_sizes=[2])
+
+
+def test_every_ring_layer_reads_the_same_ring_arrays(monkeypatch):
+    seen = []
+    real_op = mlx_batched_decode.batched_decode_attention
+
+    def spy(queries, keys, values, valid_lens, **kwargs):
+        seen.append((valid_lens, kwargs["ring_offset"]))
+        return real_op(queries, keys, values, valid_lens, **kwargs)
+
+    monkeypatch.setattr(mlx_batched_decode, "batched_decode_attention", spy)
+    caches = [RingSlotKVCache(size=4, step=4) for _ in range(3)]
+    ctx = BatchedDecodeContext(2, [2, 9], caches, ring_sizes=[4])
+    x = mx.random.normal((2, 2, 1, 8))
+    attention = RingSlotAttention(4)
+    for layer in range(3):
+        x = attention(ctx, layer, x, x, x, window=4)
+    mx.eval(x)
+    ring = ctx.rings[4]
+    assert all(lens is ring.valid_lens and offset is ring.ring_offset for lens, offset in seen)

@@ -19,6 +19,7 @@ import mlx_batched_decode  # noqa: E402
 from mlx_batched_decode import _ext  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.caches.kv_cache import SlotKVCache  # noqa: E402
+from mlx_batched_decode.caches.ring_kv_cache import RingSlotKVCache  # noqa: E402
 from mlx_batched_decode.caches.quantized_kv_cache import QuantizedSlotKVCache  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from tests.support.mlx_lm_models import GPT_OSS, mlx_lm_greedy, random_prompts  # noqa: E402
@@ -97,16 +98,20 @@ def _dequantized_reference(model, prompts, budgets, bits, group_size, monkeypatc
         triple = mx.quantize(x, group_size=group_size, bits=bits)
         return mx.dequantize(*triple, group_size=group_size, bits=bits)
 
-    real_update, real_write = SlotKVCache.update, SlotKVCache.write_prompt
     with monkeypatch.context() as patch:
-        patch.setattr(
-            SlotKVCache, "update", lambda c, k, v, ctx: real_update(c, rounded(k), rounded(v), ctx)
-        )
-        patch.setattr(
-            SlotKVCache,
-            "write_prompt",
-            lambda c, slot, k, v: real_write(c, slot, rounded(k), rounded(v)),
-        )
+        # Full-attention layers' slot caches and sliding-window layers' rings alike.
+        for cache_class in (SlotKVCache, RingSlotKVCache):
+            real_update, real_write = cache_class.update, cache_class.write_prompt
+            patch.setattr(
+                cache_class,
+                "update",
+                lambda c, k, v, ctx, real=real_update: real(c, rounded(k), rounded(v), ctx),
+            )
+            patch.setattr(
+                cache_class,
+                "write_prompt",
+                lambda c, slot, k, v, real=real_write: real(c, slot, rounded(k), rounded(v)),
+            )
         decoder = BatchedDecoder(model, kv_step=16)
         return decoder.generate(prompts, budgets, max_batch_size=3)
 

@@ -10,29 +10,24 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.models.cache import KVCache, RotatingKVCache  # noqa: E402
 
 import mlx_batched_decode  # noqa: E402
+from mlx_batched_decode.caches.kv_cache import SlotKVCache  # noqa: E402
+from mlx_batched_decode.caches.ring_kv_cache import RingSlotKVCache  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.decoding.prefill import layer_windows, prefill  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
-from tests.support.mlx_lm_models import GPT_OSS, VOCAB, WINDOW, mlx_lm_greedy, random_prompts  # noqa: E402
+from tests.support.mlx_lm_models import (  # noqa: E402
+    GEMMA3_TEXT,
+    GPT_OSS,
+    VOCAB,
+    WINDOW,
+    mlx_lm_greedy,
+    random_prompts,
+)
 
 # Each family with its own way of choosing windowed layers; small odd shapes.
 FAMILIES = {
     "gpt_oss": GPT_OSS,
-    # Two sliding layers, then a global one; D = 256; query scale 64 ** -0.5, not D ** -0.5.
-    "gemma3_text": dict(
-        model_type="gemma3_text",
-        hidden_size=64,
-        num_hidden_layers=3,
-        intermediate_size=128,
-        head_dim=256,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        query_pre_attn_scalar=64,
-        sliding_window=WINDOW,
-        sliding_window_pattern=3,
-        vocab_size=VOCAB,
-        rms_norm_eps=1e-6,
-    ),
+    "gemma3_text": GEMMA3_TEXT,
     # Llama with layer_types and sliding_window set; head dim 32.
     "llama": dict(
         model_type="llama",
@@ -119,6 +114,22 @@ def test_greedy_matches_mlx_lm_across_the_window(models, references, family, pat
     out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
     assert out == references[family]
     assert decoder.num_active == 0
+
+
+@pytest.mark.parametrize("num_draft_tokens", [None, 3])
+def test_windowed_layers_keep_a_ring_of_their_window(models, num_draft_tokens):
+    """A sliding-window layer's cache holds window (+ k with k draft tokens) positions per
+    request however long the requests run; a full-attention layer's holds them all."""
+    model = models["gemma3_text"]
+    draft = None if num_draft_tokens is None else model
+    decoder = BatchedDecoder(model, draft_model=draft, num_draft_tokens=num_draft_tokens or 1)
+    decoder.generate(random_prompts([70, 3]), [40, 40])
+    ring = WINDOW + (num_draft_tokens or 0)
+    for cache, window in zip(decoder.slot_caches, EXPECTED_WINDOWS["gemma3_text"]):
+        if window is None:
+            assert isinstance(cache, SlotKVCache) and cache.capacity >= 110
+        else:
+            assert isinstance(cache, RingSlotKVCache) and cache.size == cache.capacity == ring
 
 
 def test_chunked_prefill_keeps_what_mlx_lm_keeps(models, references):

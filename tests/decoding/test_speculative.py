@@ -13,6 +13,7 @@ from mlx.utils import tree_map  # noqa: E402
 import mlx_batched_decode  # noqa: E402
 import mlx_batched_decode.decoding.speculative as speculative  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.decoding.prefill import layer_windows  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from tests.support.mlx_lm_models import VOCAB, random_prompts  # noqa: E402
 from tests.decoding.test_decoder_windows import FAMILIES, build  # noqa: E402
@@ -127,7 +128,7 @@ def test_one_target_pass_per_step_with_k_plus_1_rows(targets, drafts, monkeypatc
     real_op = mlx_batched_decode.batched_decode_attention
 
     def spy(queries, keys, values, lens, **kwargs):
-        shapes.append((queries.shape, lens))
+        shapes.append((queries.shape, lens, kwargs.get("ring_offset")))
         return real_op(queries, keys, values, lens, **kwargs)
 
     decoder = BatchedDecoder(target, draft_model=draft, num_draft_tokens=k)
@@ -140,8 +141,16 @@ def test_one_target_pass_per_step_with_k_plus_1_rows(targets, drafts, monkeypatc
     layers = len(target.layers)
     # The draft: k + 1 single-token steps over both layers; then the target: one call per layer.
     assert [s[0][2] for s in shapes] == [1] * ((k + 1) * len(draft.layers)) + [k + 1] * layers
-    for shape, lens in shapes[-layers:]:
-        assert shape[0] == 3 and lens.tolist() == [n + k + 1 for n in seq_lens]
+    for (shape, lens, ring_offset), window in zip(shapes[-layers:], layer_windows(target)):
+        ends = [n + k + 1 for n in seq_lens]
+        assert shape[0] == 3
+        if window is None:
+            assert lens.tolist() == ends and ring_offset is None
+        else:
+            # The sliding layer's ring holds window + k positions: the last ones, via its offset.
+            ring = window + k
+            assert lens.tolist() == [min(e, ring) for e in ends]
+            assert ring_offset.tolist() == [max(e - ring, 0) for e in ends]
 
 
 def test_round_copies_no_cache_buffer(targets, drafts):
@@ -151,7 +160,8 @@ def test_round_copies_no_cache_buffer(targets, drafts):
     for prompt in random_prompts([40, 3, 25]):
         decoder.add_request(prompt, 100)
     decoder.step()
-    buffer_bytes = decoder.slot_caches[0].keys.nbytes
+    # The full-attention layer's buffer; the sliding layer keeps a ring of 16 + 3 positions.
+    buffer_bytes = max(c.keys.nbytes for c in decoder.slot_caches)
     mx.reset_peak_memory()
     base = mx.get_active_memory()
     decoder.step()

@@ -31,7 +31,14 @@ from mlx_batched_decode import _ext  # noqa: E402
 from mlx_batched_decode.integrations.mlx_lm import patches  # noqa: E402
 from mlx_batched_decode.integrations.mlx_lm.routing import DecodeRouter  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
-from tests.support.mlx_lm_models import GPT_OSS, LLAMA, QWEN3, random_prompts  # noqa: E402
+from tests.support.mlx_lm_models import (  # noqa: E402
+    GEMMA3_TEXT,
+    GPT_OSS,
+    LLAMA,
+    QWEN3,
+    WINDOW,
+    random_prompts,
+)
 
 FAMILIES = {
     "llama": LLAMA,
@@ -41,6 +48,21 @@ FAMILIES = {
 # Mixed lengths (below, at and past the window), budgets that end requests early.
 PROMPT_LENS = [1, 9, 60, 16, 17, 33, 2]
 MAX_TOKENS = [24, 24, 24, 5, 24, 1, 12]
+# Generations that wrap a ring of WINDOW slots several times (up to 5), ending at different steps.
+RING_PROMPT_LENS = [3, 40, 17, 1, 26]
+RING_MAX_TOKENS = [60, 50, 61, 45, 30]
+# Every model family with rings: sliding layers (sinks, experts; Gemma 3's two sliding layers and
+# a global one) and a model whose every layer is a ring (max_kv_size).
+RING_FAMILIES = {
+    "gpt_oss": (GPT_OSS, {}),
+    "gemma3_text": (GEMMA3_TEXT, {}),
+    "qwen3_max_kv_size": (QWEN3, {"max_kv_size": WINDOW}),
+}
+# All requests prefilled and decoding at once, or joining one by one while others decode.
+SCHEDULES = {
+    "together": {"completion_batch_size": 8, "prefill_batch_size": 8},
+    "staggered": {"completion_batch_size": 2, "prefill_batch_size": 1},
+}
 
 
 class _Tokenizer:
@@ -110,11 +132,68 @@ def test_batch_generate_greedy_equals_mlx_lm(models, family):
     # never reads (the layers before it feed the cache of the next one).
     assert stats.served - 2 * layers <= calls <= stats.served
     assert stats.batch_kv > 0 and stats.prefill > 0 and stats.other == 0
+    assert stats.rotating_wrapped == 0
     if family == "gpt_oss":
-        # The sliding layer's ring is served until it wraps, then stays on mlx-lm's path.
-        assert stats.batch_rotating > 0 and stats.rotating_wrapped > 0
+        # The sliding layer's ring is served before it wraps and after, through ring_offset.
+        assert stats.batch_rotating > stats.batch_rotating_wrapped > 0
     else:
-        assert stats.batch_rotating == stats.rotating_wrapped == 0
+        assert stats.batch_rotating == 0
+
+
+@pytest.fixture(scope="module")
+def ring_models():
+    built = {name: random_model(config, seed=2) for name, (config, _) in RING_FAMILIES.items()}
+    for layer in built["gpt_oss"].layers:
+        layer.self_attn.sinks = 2.0 * mx.random.normal(layer.self_attn.sinks.shape)
+    mx.eval(built["gpt_oss"].parameters())
+    return built
+
+
+def _ring_generate(model, options):
+    response = batch_generate(
+        model,
+        _Tokenizer(),
+        random_prompts(RING_PROMPT_LENS, seed=5),
+        max_tokens=RING_MAX_TOKENS,
+        return_token_ids=True,
+        **options,
+    )
+    mx.synchronize(generation_stream)
+    return response.token_ids
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("family", list(RING_FAMILIES))
+def test_wrapped_rings_decode_on_the_op(ring_models, family, schedule):
+    """Greedy tokens equal mlx-lm's own while rings wrap several times, and every decode step
+    runs on the op; ``wrapped_rings=False`` (the baseline) leaves the wrapped ones to mlx-lm."""
+    model = ring_models[family]
+    options = {**RING_FAMILIES[family][1], **SCHEDULES[schedule]}
+    expected = _ring_generate(model, options)
+    kernel_calls = _ext.cpu_kernel_calls()
+    with plugin.enabled():
+        assert _ring_generate(model, options) == expected
+        stats = plugin.stats()
+    calls = _ext.cpu_kernel_calls() - kernel_calls
+    layers = len(model.layers)
+    assert stats.rotating_wrapped == stats.other == stats.unsupported_shape == 0
+    assert stats.batch_rotating_wrapped > 0 and stats.served - layers <= calls <= stats.served
+    if family == "qwen3_max_kv_size":
+        assert stats.batch_kv == 0
+    with plugin.enabled(wrapped_rings=False):
+        assert _ring_generate(model, options) == expected
+        baseline = plugin.stats()
+    assert baseline.rotating_wrapped == stats.batch_rotating_wrapped
+    assert baseline.batch_rotating_wrapped == 0
+    assert baseline.batch_rotating == stats.batch_rotating - stats.batch_rotating_wrapped
+
+
+def test_enable_refuses_the_other_ring_setting():
+    plugin.enable(wrapped_rings=False)
+    plugin.enable(wrapped_rings=False)
+    with pytest.raises(ValueError, match=r"^\[mlx_batched_decode\.mlx_lm\] already enabled"):
+        plugin.enable()
+    plugin.disable()
 
 
 def _merged_caches(make, lens, heads, head_dim, seed):
@@ -144,8 +223,9 @@ def _merged_caches(make, lens, heads, head_dim, seed):
 )
 def test_each_decode_call_equals_mlx_lm_attention(kind, window):
     """Layer by layer: the op's output equals mlx-lm's masked SDPA on the same cache, where the
-    padding holds zeros; the plug-in's cache holds NaN there instead."""
-    lens, heads, head_dim, steps, max_size = [3, 11, 1, 7], 2, 32, 14, 12
+    padding holds zeros; the plug-in's cache holds NaN there instead. A ring wraps three times,
+    and NaN padding stays in its slots until the ring overwrites them."""
+    lens, heads, head_dim, steps, max_size = [3, 11, 1, 7], 2, 32, 30, 12
     if kind == "batch":
         make = KVCache
     else:
@@ -168,19 +248,16 @@ def test_each_decode_call_equals_mlx_lm_attention(kind, window):
         expected = mx.fast.scaled_dot_product_attention(
             q, reference_keys, reference_values, scale=0.3, mask=reference_mask, sinks=sinks
         )
-        after = plugin.stats()
-        if after.served > before.served:
-            assert mx.allclose(out, expected, atol=1e-5).item(), (kind, window, step)
-        else:
-            # A wrapped ring stays on mlx-lm's path, with its mask over the NaN slots left.
-            assert kind == "rotating" and after.rotating_wrapped == before.rotating_wrapped + 1
+        assert plugin.stats().served == before.served + 1
+        assert mx.allclose(out, expected, atol=1e-5).item(), (kind, window, step)
     stats = plugin.stats()
+    assert stats.rotating_wrapped == 0
     if kind == "batch":
         assert stats.batch_kv == steps
     else:
-        # The ring of 12 is full after 12 positions: 11 (longest) + 1 step served, then wrapped.
-        assert stats.batch_rotating == max_size - max(lens)
-        assert stats.rotating_wrapped == steps - stats.batch_rotating
+        # The ring of 12 is full after 12 positions: 11 (longest) + 1 step in order, then wrapped.
+        assert stats.batch_rotating == steps
+        assert stats.batch_rotating_wrapped == steps - (max_size - max(lens))
 
 
 def test_what_stays_on_mlx_lm_path(models):

@@ -54,6 +54,21 @@ GPT_OSS = dict(
     vocab_size=VOCAB,
     rms_norm_eps=1e-5,
 )
+# Two sliding layers, then a global one; D = 256; query scale 64 ** -0.5, not D ** -0.5.
+GEMMA3_TEXT = dict(
+    model_type="gemma3_text",
+    hidden_size=64,
+    num_hidden_layers=3,
+    intermediate_size=128,
+    head_dim=256,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    query_pre_attn_scalar=64,
+    sliding_window=WINDOW,
+    sliding_window_pattern=3,
+    vocab_size=VOCAB,
+    rms_norm_eps=1e-6,
+)
 
 
 def random_prompts(lens, seed=0):

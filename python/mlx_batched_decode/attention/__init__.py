@@ -8,6 +8,9 @@ Paths with one interface (``base.DecodeAttention``):
 - ``QuantizedSlotAttention``: the same over a ``QuantizedSlotKVCache`` (mlx-lm's 8- or 4-bit
   ``mx.quantize`` triples): the new K/V are quantized once and scattered, and
   ``quantized_batched_decode_attention`` reads the triples of views in place.
+- ``RingSlotAttention``: a sliding-window layer's zero-copy path over a ``RingSlotKVCache``, which
+  keeps each request's last R positions at ring slots ``p mod R`` (memory in proportion to the
+  window); ``batched_decode_attention`` reads the ring in place through the step's ring offsets.
 - ``PagedAttention``: new K/V scattered into the block pools of a ``PagedKVCache`` and
   ``paged_decode_attention`` reading them through the step's block tables (``paged``).
 - ``SeedAttention``: the seed design of DESIGN.md section 1, kept as the baseline: per-request

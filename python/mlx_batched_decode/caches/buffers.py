@@ -22,19 +22,32 @@ def round_up(n: int, step: int) -> int:
 
 
 def slot_growth(
-    slots: int, length: int, current_slots: int, current_capacity: int, step: int
+    slots: int,
+    length: int,
+    current_slots: int,
+    current_capacity: int,
+    step: int,
+    limit: Optional[int] = None,
 ) -> Optional[list[tuple[int, int]]]:
     """The ``mx.pad`` widths that grow ``[S, H_kv, capacity, *]`` buffers to hold ``slots``
     slots of ``length`` positions, or ``None`` when they already do.
 
     Slots at least double, so admitting B requests one by one copies the buffers O(log B)
-    times, not B times; positions grow by whole chunks of ``step``.
+    times, not B times; positions grow by whole chunks of ``step``, to at most ``limit``
+    (a ring's size) when given.
     """
     if length <= current_capacity and slots <= current_slots:
         return None
     new_slots = max(slots, 2 * current_slots) if slots > current_slots else current_slots
-    new_capacity = max(round_up(length, step), current_capacity)
+    new_capacity = max(first_capacity(length, step, limit), current_capacity)
     return [(0, new_slots - current_slots), (0, 0), (0, new_capacity - current_capacity), (0, 0)]
+
+
+def first_capacity(length: int, step: int, limit: Optional[int] = None) -> int:
+    """Positions a buffer needs for ``length`` of them: whole chunks of ``step``, at least one,
+    at most ``limit`` when given."""
+    capacity = round_up(max(length, 1), step)
+    return capacity if limit is None else min(capacity, limit)
 
 
 def place_on_huge_pages(buffers: Iterable[mx.array]) -> None:

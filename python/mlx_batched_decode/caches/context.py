@@ -2,7 +2,8 @@
 
 Dimension legend: B = requests in the step, L = new tokens per request in the step (1 for a
 plain decode step, k + 1 when a target model verifies k draft tokens), H_q / H_kv = query /
-key-value heads, T = key/value positions read by attention, D = head dimension.
+key-value heads, T = key/value positions read by attention, D = head dimension, R = positions
+of a ring cache.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import mlx.core as mx
+
+from .ring_step import RingStep, ring_step
 
 
 @dataclass
@@ -43,12 +46,15 @@ class BatchedDecodeContext:
             where it is written and where its query row sits.
         rows: int32 ``[B, 1]``, ``arange(B)``: the slot of each request, broadcast against
             ``new_positions`` by the one scatter per layer that writes every new token.
+        rings: ``{R: RingStep}`` for each of ``ring_sizes``: the logical lengths, ring offsets
+            and write slots of the ring caches of R positions (``ring_step``).
     """
 
     batch_size: int
     seq_lens: Sequence[int]
     layer_caches: Sequence[Any]
     query_len: int = 1
+    ring_sizes: Sequence[int] = ()
     offsets: mx.array = field(init=False)
     max_len: int = field(init=False)
     valid_lens: mx.array = field(init=False)
@@ -57,6 +63,7 @@ class BatchedDecodeContext:
     positions: mx.array = field(init=False)
     new_positions: mx.array = field(init=False)
     rows: mx.array = field(init=False)
+    rings: dict[int, RingStep] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or len(self.seq_lens) != self.batch_size:
@@ -78,3 +85,7 @@ class BatchedDecodeContext:
         self.positions = mx.arange(self.max_len, dtype=mx.int32)
         self.new_positions = self.offsets[:, None] + mx.arange(self.query_len, dtype=mx.int32)
         self.rows = mx.arange(self.batch_size, dtype=mx.int32)[:, None]
+        self.rings = {
+            size: ring_step(size, self.max_len, self.valid_lens, self.new_positions)
+            for size in self.ring_sizes
+        }

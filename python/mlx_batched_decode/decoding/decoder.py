@@ -25,14 +25,13 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..caches.kv_cache import SlotKVCache
 from ..caches.paged_kv_cache import PagedKVCache
-from ..caches.quantized_kv_cache import QuantizedSlotKVCache, check_quantization
+from ..caches.quantized_kv_cache import check_quantization
 from ..tools.progress import ProgressBar
 from .decode_stats import DecodeStats
 from .paged_served_model import PagedServedModel
 from .sampling import Sampler
-from .served_model import ServedModel
+from .served_model import ServedModel, SlotCache
 from .speculative import speculative_round
 
 
@@ -68,7 +67,9 @@ class BatchedDecoder:
             speculatively, ``num_draft_tokens`` draft tokens per request and step.
         num_draft_tokens: k >= 1, draft tokens per request per step (with ``draft_model``).
         attention: ``"slot"`` (default: ``SlotKVCache`` + ``batched_decode_attention``, zero
-            copy) or ``"seed"`` (per-request ``ContiguousKVCache``, pad, concatenate, masked SDPA).
+            copy; a sliding-window layer keeps only its last ``window + k`` positions per
+            request in a ``RingSlotKVCache``, k = ``num_draft_tokens`` with a draft model, else
+            0) or ``"seed"`` (per-request ``ContiguousKVCache``, pad, concatenate, masked SDPA).
         kv_step: the caches grow in chunks of this many positions.
         prefill_step_size: prompt tokens per prefill forward pass.
         kv_layout: ``"slot"`` (default: one cache row per request) or ``"paged"``
@@ -172,15 +173,25 @@ class BatchedDecoder:
                 max_cached_blocks=max_cached_blocks,
                 prefill_step_size=prefill_step_size,
             )
+        # Rings of windowed layers keep room for the positions a speculative round may roll back.
+        lookahead = 0 if draft_model is None else num_draft_tokens
         self._target = (
             self._paged
             if self._paged is not None
-            else ServedModel(model, attention, kv_step, prefill_step_size, kv_bits, kv_group_size)
+            else ServedModel(
+                model, attention, kv_step, prefill_step_size, kv_bits, kv_group_size, lookahead
+            )
         )
         self._draft: Optional[ServedModel] = None
         if draft_model is not None:
             self._draft = ServedModel(
-                draft_model, attention, kv_step, prefill_step_size, kv_bits, kv_group_size
+                draft_model,
+                attention,
+                kv_step,
+                prefill_step_size,
+                kv_bits,
+                kv_group_size,
+                lookahead,
             )
             target_vocab, draft_vocab = self._target.vocab_size(), self._draft.vocab_size()
             if target_vocab != draft_vocab:
@@ -205,9 +216,10 @@ class BatchedDecoder:
         return len(self._waiting)
 
     @property
-    def slot_caches(self) -> Optional[list[Union[SlotKVCache, QuantizedSlotKVCache]]]:
-        """The target's per-layer slot caches on the zero-copy path (``QuantizedSlotKVCache``
-        with ``kv_bits``; ``None`` on the seed path and with the paged layout)."""
+    def slot_caches(self) -> Optional[list[SlotCache]]:
+        """The target's per-layer slot caches on the zero-copy path: ``SlotKVCache`` for
+        full-attention layers, ``RingSlotKVCache`` for sliding-window ones (``QuantizedSlotKVCache``
+        for every layer with ``kv_bits``; ``None`` on the seed path and with the paged layout)."""
         return None if self._paged is not None else self._target.slot_caches
 
     @property
@@ -216,7 +228,7 @@ class BatchedDecoder:
         return None if self._paged is None else self._paged.cache
 
     @property
-    def draft_slot_caches(self) -> Optional[list[Union[SlotKVCache, QuantizedSlotKVCache]]]:
+    def draft_slot_caches(self) -> Optional[list[SlotCache]]:
         """The draft's per-layer slot caches (``None`` on the seed path or without a draft)."""
         return None if self._draft is None else self._draft.slot_caches
 

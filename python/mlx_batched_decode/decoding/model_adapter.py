@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -117,15 +117,16 @@ def routed_forward(
     model: nn.Module,
     tokens: mx.array,
     context: BatchedDecodeContext,
-    attention: DecodeAttention,
+    attentions: Sequence[DecodeAttention],
     windows: list[Optional[int]],
     routed_modules: list[Any],
 ) -> mx.array:
     """One decode step's forward pass of ``model``: int32 ``tokens [B, L]`` -> logits
-    ``[B, L, V]`` (lazy), layer ``i`` attending through ``attention`` within ``windows[i]``, every
-    layer reading the one ``context``."""
+    ``[B, L, V]`` (lazy), layer ``i`` attending through ``attentions[i]`` within ``windows[i]``,
+    every layer reading the one ``context``."""
     step_caches = [
-        StepLayerCache(attention, context, layer, window) for layer, window in enumerate(windows)
+        StepLayerCache(attention, context, layer, window)
+        for layer, (attention, window) in enumerate(zip(attentions, windows))
     ]
     with route_attention(routed_modules):
         return model(tokens, cache=step_caches)

@@ -101,8 +101,9 @@ class PagedServedModel:
         """One batched step: int32 ``tokens [B, L]`` at positions ``seq_lens[b] ..`` -> logits
         ``[B, L, V]`` (lazy). Writes the tokens' keys/values into the requests' blocks."""
         context = self.cache.context(self.rows, seq_lens, tokens.shape[1])
+        attentions = [self.attention] * len(self.windows)
         return routed_forward(
-            self.model, tokens, context, self.attention, self.windows, self.routed_modules
+            self.model, tokens, context, attentions, self.windows, self.routed_modules
         )
 
     def cache_arrays(self) -> list[mx.array]:

@@ -2,11 +2,22 @@
 
 A ``ServedModel`` holds what decoding one model needs besides the scheduler: the Python modules
 whose attention is routed, each layer's window (from mlx-lm's own caches), and the keys/values
-of every active request, one row per request in the scheduler's order: one ``SlotKVCache`` per
-layer on the zero-copy path (a ``QuantizedSlotKVCache`` with ``kv_bits``), or one
-``ContiguousKVCache`` per request and layer on the seed path.
+of every active request, one row per request in the scheduler's order: on the zero-copy path one
+``SlotKVCache`` per full-attention layer and one ``RingSlotKVCache`` per sliding-window layer
+(a ``QuantizedSlotKVCache`` per layer with ``kv_bits``), or one ``ContiguousKVCache`` per request
+and layer on the seed path.
+
 ``BatchedDecoder`` serves its target model, and its draft model when it decodes speculatively,
 each through one of these.
+
+A windowed layer's ring keeps ``R = window + lookahead`` positions per request, ``lookahead``
+being the draft tokens of a speculative round (0 without a draft model). That is what a round
+needs: the target's L = k + 1 rows at ``s .. s + k`` read keys from ``s - window + 1`` on,
+``window + k`` positions at once; and a round's writes at ``s .. s + k`` (the draft's one by one,
+the target's at once) overwrite positions ``s - window - k .. s - window`` only, older than any
+key the next round reads once it restarts at ``s' >= s + 1`` after rejected tokens
+(``s' - window + 1`` on). A prompt of P tokens leaves its last R positions in the ring; its first
+step reads from ``P - window + 1``.
 
 Dimension legend: B = requests in the step, L = new tokens per request in the step,
 V = vocabulary size.
@@ -20,19 +31,26 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..attention.base import DecodeAttention
+from ..attention.ring import RingSlotAttention
 from ..attention.seed import SeedAttention
 from ..attention.slot import QuantizedSlotAttention, SlotAttention
 from ..caches.context import BatchedDecodeContext
 from ..caches.kv_cache import ContiguousKVCache, SlotKVCache
 from ..caches.quantized_kv_cache import QuantizedSlotKVCache
+from ..caches.ring_kv_cache import RingSlotKVCache
 from .model_adapter import mlx_lm_attention_modules, routed_forward
 from .prefill import layer_windows, prefill, prompt_caches
+
+# A layer's cache on the zero-copy path.
+SlotCache = Union[SlotKVCache, RingSlotKVCache, QuantizedSlotKVCache]
 
 
 class ServedModel:
     """An mlx-lm model, its attention routed to ``attention`` (``"slot"`` or ``"seed"``); with
     ``kv_bits`` (``"slot"`` only) its keys and values are kept quantized, ``kv_bits`` bits per
-    element in groups of ``kv_group_size``, in mlx-lm's ``QuantizedKVCache`` format.
+    element in groups of ``kv_group_size``, in mlx-lm's ``QuantizedKVCache`` format (windowed
+    layers then keep every position: the quantized op reads no ring). ``lookahead``: the draft
+    tokens per speculative round (0 without a draft model), which the rings make room for.
 
     Raises ``ValueError`` for models it cannot serve: attention that does not go through
     mlx-lm's ``scaled_dot_product_attention``, layers whose cache is neither ``KVCache`` nor
@@ -47,6 +65,7 @@ class ServedModel:
         prefill_step_size: int,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
+        lookahead: int = 0,
     ):
         self.model = model
         self.kv_step = kv_step
@@ -56,19 +75,27 @@ class ServedModel:
         self.routed_modules = mlx_lm_attention_modules(model)
         self.windows = layer_windows(model)
         self.num_layers = len(self.windows)
-        self.slot_caches: Optional[list[Union[SlotKVCache, QuantizedSlotKVCache]]] = None
+        self.slot_caches: Optional[list[SlotCache]] = None
+        # Distinct ring sizes, each derived once per step by the context.
+        self.ring_sizes: list[int] = []
         if kv_bits is not None:
             self._check_group_size()
-            self.attention: DecodeAttention = QuantizedSlotAttention(kv_group_size, kv_bits)
+            quantized = QuantizedSlotAttention(kv_group_size, kv_bits)
+            self.attentions: list[DecodeAttention] = [quantized] * self.num_layers
             self.slot_caches = [
                 QuantizedSlotKVCache(kv_group_size, kv_bits, kv_step)
                 for _ in range(self.num_layers)
             ]
         elif attention == "slot":
-            self.attention = SlotAttention()
-            self.slot_caches = [SlotKVCache(kv_step) for _ in range(self.num_layers)]
+            full = SlotAttention()
+            rings = [None if w is None else w + lookahead for w in self.windows]
+            self.ring_sizes = sorted({r for r in rings if r is not None})
+            self.attentions = [full if r is None else RingSlotAttention(r) for r in rings]
+            self.slot_caches = [
+                SlotKVCache(kv_step) if r is None else RingSlotKVCache(r, kv_step) for r in rings
+            ]
         else:
-            self.attention = SeedAttention()
+            self.attentions = [SeedAttention()] * self.num_layers
         # Seed path: seed_rows[b][layer] is request b's own cache of that layer.
         self.seed_rows: list[list[ContiguousKVCache]] = []
 
@@ -139,9 +166,9 @@ class ServedModel:
             layer_caches = [
                 [row[layer] for row in self.seed_rows] for layer in range(self.num_layers)
             ]
-        context = BatchedDecodeContext(batch, seq_lens, layer_caches, query_len)
+        context = BatchedDecodeContext(batch, seq_lens, layer_caches, query_len, self.ring_sizes)
         return routed_forward(
-            self.model, tokens, context, self.attention, self.windows, self.routed_modules
+            self.model, tokens, context, self.attentions, self.windows, self.routed_modules
         )
 
     def cache_arrays(self) -> list[mx.array]:

@@ -36,9 +36,9 @@ class _Patch:
 
 
 class _Plugin:
-    """The patches in force while enabled."""
+    """The patches in force while enabled; ``wrapped_rings`` as ``enable``'s."""
 
-    def __init__(self) -> None:
+    def __init__(self, wrapped_rings: bool) -> None:
         import mlx_lm
         from mlx_lm.models import base
         from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
@@ -51,7 +51,9 @@ class _Plugin:
         self.base = base
         self.original = base.scaled_dot_product_attention
         self.tags = MaskTags()
-        self.router = DecodeRouter(self.original, self.tags, BatchKVCache, BatchRotatingKVCache)
+        self.router = DecodeRouter(
+            self.original, self.tags, BatchKVCache, BatchRotatingKVCache, wrapped_rings
+        )
         self.patches: list[_Patch] = []
         for cls, tagging in (
             (BatchKVCache, tagging_batch_kv_make_mask),
@@ -89,17 +91,27 @@ _lock = threading.Lock()
 _active: Optional[_Plugin] = None
 
 
-def enable() -> None:
+def enable(*, wrapped_rings: bool = True) -> None:
     """Route the decode attention of mlx-lm's batched generation through
     ``batched_decode_attention`` (``BatchGenerator``, ``batch_generate``, ``mlx_lm.server``).
 
-    Does nothing if already enabled. Raises ``ValueError`` for an mlx-lm version other than the
-    one the plug-in was checked against.
+    ``wrapped_rings=False`` leaves the decode steps on a ``BatchRotatingKVCache`` whose ring has
+    wrapped to mlx-lm (counted in ``stats().rotating_wrapped``): the plug-in as it was before it
+    read rings, a baseline for benchmarks.
+
+    Does nothing if already enabled with the same ``wrapped_rings``. Raises ``ValueError`` if
+    enabled with the other one, and for an mlx-lm version other than the one the plug-in was
+    checked against.
     """
     global _active
     with _lock:
         if _active is None:
-            _active = _Plugin()
+            _active = _Plugin(wrapped_rings)
+        elif _active.router.wrapped_rings != wrapped_rings:
+            raise ValueError(
+                f"{PREFIX} already enabled with wrapped_rings={_active.router.wrapped_rings}: "
+                "disable() it first"
+            )
 
 
 def disable() -> None:
@@ -117,11 +129,11 @@ def is_enabled() -> bool:
 
 
 @contextmanager
-def enabled() -> Iterator[None]:
-    """``with enabled(): ...`` runs the block with the plug-in on; it is turned off after the
-    block unless it was already on before."""
+def enabled(*, wrapped_rings: bool = True) -> Iterator[None]:
+    """``with enabled(): ...`` runs the block with the plug-in on (``wrapped_rings`` as
+    ``enable``'s); it is turned off after the block unless it was already on before."""
     was_enabled = is_enabled()
-    enable()
+    enable(wrapped_rings=wrapped_rings)
     try:
         yield
     finally:

@@ -16,26 +16,36 @@ That is exactly the set of keys mlx-lm's decode mask (``create_causal_mask(1, of
 left_padding=..., window_size=...)``) allows; the mask array is never read, so (being lazy)
 it is never computed. A ``BatchRotatingKVCache`` (sliding-window layers) is served the same way
 while its ring has not wrapped: its buffer then holds the positions in temporal order, ``T`` is
-its ``_offset``, and the window is the model's ``window_size`` or the ring's ``max_size``. Once
-the ring wraps, a request's valid slots can be two separate runs of the ring (its newest tokens
-at the front, its older ones after the padding the ring has not yet overwritten), which one range
-of the op cannot express: those calls stay on mlx-lm's path, with its rolled mask. So do prefill
-(several tokens per request), every other cache (``KVCache`` of single-request generation,
-quantized caches, ...) and head dims the op does not take (keys and values of different head
-dims, D > 512). ``PluginStats`` counts every call by where it ran.
+its ``_offset``, and the window is the model's ``window_size`` or the ring's ``max_size``.
 
-A decode mask on a batch cache that its ``make_mask`` did not build, or built for another length,
-is an error: the plug-in would not know which keys it allows.
+Once the ring wraps (``rotated``), a decode write goes to slot ``_idx`` and advances ``_idx``, and
+``update_and_fetch`` returns the whole ring of ``W = max_size`` slots. After the write, slot ``s``
+holds the key of time index ``(s - _idx) mod W`` (``_temporal_order`` rolls by ``-_idx``; time
+index ``W - 1`` is the new token), and request ``b``'s keys are the time indices at or past its
+``left_padding`` (which mlx-lm lowers by one per write once rotated; it goes negative when every
+slot holds a key of the request): one range in time order, two runs of slots. mlx-lm's rolled
+mask allows exactly these (``make_mask`` drops the left padding by one for the coming write and
+rolls by ``_idx + 1``), within the window. The op reads them in place with ``ring_offset = _idx
+mod W``, ``valid_lens = W``, ``kv_starts = left_padding`` (the op clamps it at 0) and the same
+window. Several tokens per request (prefill, ``_update_concat``) first put the ring back in
+temporal order and keep ``max_size + L - 1`` positions: those calls, every other cache
+(``KVCache`` of single-request generation, quantized caches, ...) and head dims the op does not
+take (keys and values of different head dims, D > 512) stay on mlx-lm's path. ``PluginStats``
+counts every call by where it ran.
+
+A decode mask on a batch cache that its ``make_mask`` did not build, built for another length,
+or for a ring in another state (wrapped or not) than the cache's, is an error: the plug-in would
+not know which keys it allows.
 
 Dimension legend: B = requests in the step, H_q = query heads, H_kv = key/value heads,
-L = new tokens per request, T = key/value positions, D = head dimension.
+L = new tokens per request, T = key/value positions, D = head dimension, W = ring slots.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -55,10 +65,13 @@ class PluginStats:
 
     Through ``batched_decode_attention``:
         batch_kv: decode steps on a ``BatchKVCache``.
-        batch_rotating: decode steps on a ``BatchRotatingKVCache`` whose ring has not wrapped.
+        batch_rotating: decode steps on a ``BatchRotatingKVCache``, its ring wrapped or not.
+        batch_rotating_wrapped: of ``batch_rotating``, those on a ring that had wrapped, read
+            through ``ring_offset``.
 
     On mlx-lm's path, by design:
-        rotating_wrapped: decode steps on a ``BatchRotatingKVCache`` whose ring has wrapped.
+        rotating_wrapped: decode steps on a wrapped ring while enabled with
+            ``wrapped_rings=False`` (0 otherwise).
         prefill: several tokens per request on a batch cache (prompt processing).
         unsupported_shape: head dims the op does not take (keys and values differ, D > 512).
         other: every other cache (single-request ``KVCache``, quantized, none, ...).
@@ -66,6 +79,7 @@ class PluginStats:
 
     batch_kv: int = 0
     batch_rotating: int = 0
+    batch_rotating_wrapped: int = 0
     rotating_wrapped: int = 0
     prefill: int = 0
     unsupported_shape: int = 0
@@ -75,6 +89,15 @@ class PluginStats:
     def served(self) -> int:
         """Calls that ran through ``batched_decode_attention``."""
         return self.batch_kv + self.batch_rotating
+
+
+class _OpCall(NamedTuple):
+    """What one served call passes to ``batched_decode_attention`` besides the arrays."""
+
+    valid_lens: mx.array
+    kv_starts: mx.array
+    window: Optional[int]
+    ring_offset: Optional[mx.array]
 
 
 def _op_takes(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
@@ -98,15 +121,23 @@ class DecodeRouter:
         tags: where the patched ``make_mask`` methods record their decode masks.
         batch_kv: mlx-lm's ``BatchKVCache`` class.
         batch_rotating: mlx-lm's ``BatchRotatingKVCache`` class.
+        wrapped_rings: serve decode steps on wrapped rings (``False`` leaves them to mlx-lm, as
+            the plug-in did before it read rings: a baseline for comparison).
     """
 
     def __init__(
-        self, original: Callable, tags: MaskTags, batch_kv: type, batch_rotating: type
+        self,
+        original: Callable,
+        tags: MaskTags,
+        batch_kv: type,
+        batch_rotating: type,
+        wrapped_rings: bool = True,
     ) -> None:
         self.original = original
         self.tags = tags
         self.batch_kv = batch_kv
         self.batch_rotating = batch_rotating
+        self.wrapped_rings = wrapped_rings
         self.stats = PluginStats()
         self._local = threading.local()
 
@@ -122,27 +153,27 @@ class DecodeRouter:
     ) -> mx.array:
         """``queries [B, H_q, L, D]`` over ``keys``/``values [B, H_kv, T, D]`` ->
         ``[B, H_q, L, D]``; ``sinks`` ``[H_q]`` or ``None``."""
-        plan = self._plan(queries, keys, values, cache, mask)
-        if plan is None:
+        call = self._plan(queries, keys, values, cache, mask)
+        if call is None:
             return self.original(
                 queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
             )
-        valid_lens, window = plan
         return mlx_batched_decode.batched_decode_attention(
             queries,
             keys,
             values,
-            valid_lens,
+            call.valid_lens,
             scale=scale,
-            kv_starts=cache.left_padding,
-            window=window,
+            kv_starts=call.kv_starts,
+            window=call.window,
             sinks=sinks,
+            ring_offset=call.ring_offset,
         )
 
     def _plan(
         self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any
-    ) -> Optional[tuple[mx.array, Optional[int]]]:
-        """``(valid_lens, window)`` for the op, or ``None`` for mlx-lm's path (counted)."""
+    ) -> Optional[_OpCall]:
+        """The op's arguments for this call, or ``None`` for mlx-lm's path (counted)."""
         stats = self.stats
         rotating = isinstance(cache, self.batch_rotating)
         if not (rotating or isinstance(cache, self.batch_kv)):
@@ -169,39 +200,53 @@ class DecodeRouter:
                 f"{PREFIX} a layer's {name} got a decode mask built by a {tag.kind.__name__}: "
                 "the plug-in reads a mask's keys from the cache kind that built it"
             )
+        # Positions the cache holds after the step's write, which its mask was built for.
+        held = cache._offset if rotating else cache._idx
+        if held != tag.length + 1:
+            raise ValueError(
+                f"{PREFIX} a layer's {name} holds {held} positions after the step's write but "
+                f"its decode mask was built for {tag.length + 1}"
+            )
+        ring_offset = None
         if rotating:
-            # Served only while the ring holds its positions in temporal order, all T of them.
-            if tag.wrapped or cache.rotated or keys.shape[2] != cache._offset:
+            if tag.wrapped != cache.rotated:
+                state = ("wrapped", "had not") if cache.rotated else ("not wrapped", "had")
+                raise ValueError(
+                    f"{PREFIX} a layer's BatchRotatingKVCache has {state[0]} but its decode mask "
+                    f"was built for a ring that {state[1]}"
+                )
+            if cache.rotated and not self.wrapped_rings:
                 stats.rotating_wrapped += 1
                 return None
-            length = cache._offset
+            # A wrapped ring returns all its slots; one that has not, its positions in order.
+            slots = cache.max_size if cache.rotated else cache._offset
             window = cache.max_size if tag.window is None else tag.window
+            if cache.rotated:
+                ring_offset = self._filled(queries.shape[0], cache._idx % cache.max_size)
         else:
-            length = keys.shape[2]
+            slots = cache._idx
             window = tag.window
-            if length != cache._idx:
-                raise ValueError(
-                    f"{PREFIX} a layer's BatchKVCache returned {length} keys but holds "
-                    f"{cache._idx} positions"
-                )
-        if length != tag.length + 1:
+        if keys.shape[2] != slots:
             raise ValueError(
-                f"{PREFIX} a layer's {name} holds {length} positions after the step's write but "
-                f"its decode mask was built for {tag.length + 1}"
+                f"{PREFIX} a layer's {name} returned {keys.shape[2]} keys but holds {slots} slots"
             )
         if rotating:
             stats.batch_rotating += 1
+            if ring_offset is not None:
+                stats.batch_rotating_wrapped += 1
         else:
             stats.batch_kv += 1
-        return self._valid_lens(queries.shape[0], length), window
+        lens = self._filled(queries.shape[0], slots)
+        return _OpCall(lens, cache.left_padding, window, ring_offset)
 
-    def _valid_lens(self, batch: int, length: int) -> mx.array:
-        """int32 ``[B]`` filled with ``length``: made once per (B, length) and thread, shared by
-        every layer of a step (a left-padded batch ends every request at the same position)."""
+    def _filled(self, batch: int, value: int) -> mx.array:
+        """int32 ``[B]`` filled with ``value``: made once per (B, value) and thread, shared by
+        every layer of a step (a left-padded batch ends every request at the same position, and
+        the layers of one kind share their ring's offset)."""
         made = getattr(self._local, "made", None)
         if made is None or len(made) > 16:
             made = self._local.made = {}
-        lens = made.get((batch, length))
-        if lens is None:
-            lens = made[(batch, length)] = mx.full((batch,), length, dtype=mx.int32)
-        return lens
+        filled = made.get((batch, value))
+        if filled is None:
+            filled = made[(batch, value)] = mx.full((batch,), value, dtype=mx.int32)
+        return filled
