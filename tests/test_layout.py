@@ -3,8 +3,8 @@
 Layers, lowest first: ops (ops.py and the extension) < caches < attention < decoding <
 integrations. A module may import its own layer and the layers below it, never one above;
 tools are leaves that any layer may use and that import only ops and tools. The modules at the
-package root (``__init__``, ``__main__``, ``serve``, ``mlx_lm``) are the public face and may
-import anything. A module below them may look up the fused ops on the root package at call
+package root (``__init__``, ``__main__``, ``serve``, ``mlx_lm``, ``sglang``) are the public face
+and may import anything. A module below them may look up the fused ops on the root package at call
 time (``import mlx_batched_decode``, then ``mlx_batched_decode.batched_decode_attention``, so
 that a replaced public op is the one called), but nothing else of it.
 """
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import mlx_batched_decode
 import mlx_batched_decode.mlx_lm
+import mlx_batched_decode.sglang
 from mlx_batched_decode import ops
 from tests.support.repo import REPO
 
@@ -138,7 +139,7 @@ def test_the_check_finds_an_upward_import(tmp_path):
 
 
 def test_every_public_name_resolves():
-    for module in (mlx_batched_decode, mlx_batched_decode.mlx_lm, ops):
+    for module in (mlx_batched_decode, mlx_batched_decode.mlx_lm, mlx_batched_decode.sglang, ops):
         missing = [name for name in module.__all__ if not hasattr(module, name)]
         assert missing == [], f"{module.__name__}.__all__ names what it lacks: {missing}"
     for name in ops.__all__:

@@ -1,0 +1,1 @@
+"""``mlx_batched_decode.integrations.sglang``: the SGLang plug-in on SGLang's own MLX backend."""
