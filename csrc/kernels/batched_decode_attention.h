@@ -150,9 +150,21 @@ inline BdaRange bda_row_keys(int len, int start, int num_rows, int i, int window
   return BdaRange{max(start, pos - window + 1), pos + 1};
 }
 
+// The dense layout's ring shift of request b, in [0, T): its ring offset
+// taken modulo T here again, so that no value, however wrong, makes a slot
+// leave [0, T); 0 without a ring (or T = 0, where no key is read).
+inline int bda_ring_shift(const device int* ring_offsets, const constant BatchedDecodeParams& p, int b) {
+  if (!p.has_ring_offset || p.seq_len == 0) {
+    return 0;
+  }
+  const int r = ring_offsets[b * p.ring_stride] % p.seq_len;
+  return r < 0 ? r + p.seq_len : r;
+}
+
 // The row source: where position t of request b lives in the keys and the
 // values, as offsets in elements from their head (which the caller applies).
-// Dense: [B, H_kv, T, D] views. Paged: pools addressed by block_tables
+// Dense: [B, H_kv, T, D] views, position t in slot t + shift mod T (shift:
+// bda_ring_shift). Paged: pools addressed by block_tables
 // (BatchedDecodeParams); a position whose page lies outside the pool holds no
 // key (valid is false) and is never read.
 struct BdaRow {
@@ -161,10 +173,13 @@ struct BdaRow {
   int64_t v;
 };
 
-inline BdaRow bda_row(const device int* block_tables, const constant BatchedDecodeParams& p, int b, int t) {
+inline BdaRow bda_row(const device int* block_tables, const constant BatchedDecodeParams& p, int b, int t,
+                      int shift) {
   if (p.block_size == 0) {
-    return BdaRow{true, int64_t(b) * p.k_batch_stride + int64_t(t) * p.k_seq_stride,
-                  int64_t(b) * p.v_batch_stride + int64_t(t) * p.v_seq_stride};
+    // t and shift in [0, T): the wrap is compared, not summed, so that t + shift never overflows.
+    const int slot = t < p.seq_len - shift ? t + shift : t - (p.seq_len - shift);
+    return BdaRow{true, int64_t(b) * p.k_batch_stride + int64_t(slot) * p.k_seq_stride,
+                  int64_t(b) * p.v_batch_stride + int64_t(slot) * p.v_seq_stride};
   }
   const int page = block_tables[b * p.table_batch_stride + (t / p.block_size) * p.table_page_stride];
   if (page < 0 || page >= p.num_blocks) {
@@ -373,7 +388,8 @@ struct BdaQuantizedRows {
 // its split of the keys, then the simdgroups' merge and the output (or the
 // split's partials). queries [B, H_q, L, D], kv (a row source above), valid_lens
 // and kv_starts int32 [B] (or, paged, block_tables int32 [B, MB]: see
-// BatchedDecodeParams), sinks float32 [H_q] (all strided), out
+// BatchedDecodeParams), sinks float32 [H_q], ring_offsets int32 [B] (the
+// dense layout's, when p.has_ring_offset; else null) (all strided), out
 // [B, H_q, L, D] contiguous; split-K partials float32 [B, H_q, L, splits]
 // (max, sum) and [B, H_q, L, splits, D] (acc); requests: the ragged layout's
 // table (p.ragged), else null. The threadgroup serves request b (tgid.z, plus
@@ -386,6 +402,7 @@ inline void bda_attend(
     const device int* valid_lens,
     const device int* kv_starts,
     const device float* sinks,
+    const device int* ring_offsets,
     device T* out,
     device float* partial_acc,
     device float* partial_max,
@@ -467,9 +484,10 @@ inline void bda_attend(
   const int end = begin + min(p.split_len, num_keys - offset);
 
   kv.seek(b, kv_head);
+  const int shift = bda_ring_shift(ring_offsets, p, b);
   for (int t = begin + int(sg); t < end; t += int(num_sg)) {
     // Uniform across the simdgroup (one t per simdgroup): skipping keeps simd_sum whole.
-    const BdaRow row = bda_row(kv_starts, p, b, t);
+    const BdaRow row = bda_row(kv_starts, p, b, t, shift);
     if (!row.valid) {
       continue;
     }
@@ -566,8 +584,9 @@ inline void bda_attend(
   }
 }
 
-// The dense kernel: keys and values [B, H_kv, T, D] of T, strided views, or
-// pools [NB, BS, H_kv, D] read through block tables (p.block_size > 0).
+// The dense kernel: keys and values [B, H_kv, T, D] of T, strided views (a
+// ring when p.has_ring_offset: ring_offsets int32 [B]), or pools
+// [NB, BS, H_kv, D] read through block tables (p.block_size > 0).
 template <typename T, int D, bool GENERIC>
 [[kernel]] void batched_decode_attention(
     const device T* queries [[buffer(0)]],
@@ -581,6 +600,7 @@ template <typename T, int D, bool GENERIC>
     device float* partial_max [[buffer(8)]],
     device float* partial_sum [[buffer(9)]],
     constant BatchedDecodeParams& p [[buffer(10)]],
+    const device int* ring_offsets [[buffer(11)]], // MBD_RING_OFFSETS
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -588,8 +608,8 @@ template <typename T, int D, bool GENERIC>
     uint num_sg [[simdgroups_per_threadgroup]]) {
   const BdaDenseRows<T, bda_vector_width<D, GENERIC>()> kv{
       keys, values, p.k_head_stride, p.v_head_stride, bda_vector_loads};
-  bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, out, partial_acc, partial_max, partial_sum,
-                            p, nullptr, tgid, int(tgid.z), tid, sg, lane, num_sg);
+  bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, ring_offsets, out, partial_acc, partial_max,
+                            partial_sum, p, nullptr, tgid, int(tgid.z), tid, sg, lane, num_sg);
 }
 
 // The quantized kernel: keys and values as mx.quantize's (packed uint32
@@ -622,8 +642,8 @@ template <typename T, int D, bool GENERIC, int BITS>
   const BdaQuantizedRows<BITS, bda_vector_width<D, GENERIC>()> kv{
       keys, values, key_scales, key_biases, value_scales, value_biases, p.k_batch_stride, p.k_head_stride,
       p.k_seq_stride, p.v_batch_stride, p.v_head_stride, p.v_seq_stride, q, 0, 0};
-  bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, out, partial_acc, partial_max, partial_sum,
-                            p, nullptr, tgid, int(tgid.z), tid, sg, lane, num_sg);
+  bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, nullptr, out, partial_acc, partial_max,
+                            partial_sum, p, nullptr, tgid, int(tgid.z), tid, sg, lane, num_sg);
 }
 
 // The ragged kernel: request b's keys and values [H_kv, T_b, D] (any strides)
@@ -669,8 +689,8 @@ template <typename T, int D, bool GENERIC>
       {{slot0, slot1, slot2, slot3, slot4, slot5, slot6, slot7, slot8, slot9, slot10, slot11, slot12, slot13, slot14,
         slot15}},
       requests, bda_vector_loads, nullptr, nullptr, 0, 0};
-  bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, out, partial_acc, partial_max, partial_sum,
-                            p, requests, tgid, group.first_request + int(tgid.z), tid, sg, lane, num_sg);
+  bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, nullptr, out, partial_acc, partial_max,
+                            partial_sum, p, requests, tgid, group.first_request + int(tgid.z), tid, sg, lane, num_sg);
 }
 
 // Split-K second pass: merges the splits' (max, sum, acc) of one output row

@@ -14,6 +14,9 @@
 // and whether Q/K/V rows allow whole vector loads (bool).
 #define MBD_FC_ROWS 0
 #define MBD_FC_VECTOR_LOADS 1
+// The dense kernel's ring offsets int32 [B] (has_ring_offset); the index is
+// free in that kernel (the quantized and ragged kernels bind their own there).
+#define MBD_RING_OFFSETS 11
 
 namespace mlx_batched_decode {
 
@@ -57,6 +60,10 @@ struct BatchedDecodeParams {
   int num_blocks;          // NB
   int64_t table_batch_stride;
   int64_t table_page_stride;
+  // Ring (dense layout only): position t of request b lives in slot
+  // (t + ring_offsets[b]) mod T; the kernel takes the modulo itself.
+  int has_ring_offset;
+  int64_t ring_stride;
 };
 
 } // namespace mlx_batched_decode

@@ -135,6 +135,9 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchS
                              const InputStrides& strides, const InputOffsets& offsets, const PagedLayout& paged,
                              float scale, const DecodeBuffers& in, mx::array& out,
                              const QuantizedBuffers* quantized, const RaggedBuffers* ragged) {
+  if (shape.has_ring_offset && (paged.block_size > 0 || quantized || ragged)) {
+    throw std::invalid_argument(std::string("[") + primitive + "] ring_offset is for the dense layout only");
+  }
   mx::metal::Device& d = mx::metal::device(s.device);
   // Names and function constants don't depend on the thread limit, which comes from the pipeline.
   const LaunchPlan provisional = plan_for(shape, quantized, ragged);
@@ -204,6 +207,10 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchS
   encoder.set_output_array(split ? partials[1] : out, kPartialMax);
   encoder.set_output_array(split ? partials[2] : out, kPartialSum);
   encoder.set_bytes(params, kParams);
+  // The quantized and ragged kernels bind buffers of their own at this index.
+  if (!quantized && !ragged) {
+    encoder.set_input_array(in.ring_offsets, kRingOffsets);
+  }
   if (quantized) {
     const mx::array* arrays[2][2] = {{&quantized->key_scales, &quantized->key_biases},
                                      {&quantized->value_scales, &quantized->value_biases}};

@@ -24,8 +24,9 @@ KernelDtype kernel_dtype(mx::Dtype dtype);
 void check_last_axis(const char* op, const mx::array& a, const std::string& name);
 
 // The arrays bound at the kernels' input indices. kv_starts: the dense op's
-// kv_starts, the paged op's block_tables, or valid_lens when absent; sinks:
-// valid_lens when absent (every argument needs a buffer).
+// kv_starts, the paged op's block_tables, or valid_lens when absent; sinks and
+// ring_offsets (the dense kernel's, at kRingOffsets): valid_lens when absent
+// (every argument needs a buffer).
 struct DecodeBuffers {
   const mx::array& queries;
   const mx::array& keys;
@@ -33,6 +34,7 @@ struct DecodeBuffers {
   const mx::array& valid_lens;
   const mx::array& kv_starts;
   const mx::array& sinks;
+  const mx::array& ring_offsets;
 };
 
 // What quantized rows add to a launch: keys and values are the packed words,

@@ -42,7 +42,8 @@ RaggedLayout ragged_layout(const RowArrays& rows, int B) {
 
 // Launches p on its inputs: the rows of p.rows(), whose block tables, if
 // any, are bound in the kv_starts slot (the paged layout), or which hold one
-// buffer per request (the ragged layout); quantized adds the quantized rows' buffers.
+// buffer per request (the ragged layout); quantized adds the quantized rows'
+// buffers; a dense call's ring offsets are bound at kRingOffsets.
 void launch(DecodePrimitive& p, const std::vector<mx::array>& inputs, mx::array& out,
             const QuantizedBuffers* quantized = nullptr) {
   const RowArrays rows = p.rows(inputs);
@@ -55,6 +56,8 @@ void launch(DecodePrimitive& p, const std::vector<mx::array>& inputs, mx::array&
   const mx::array* given_starts = p.kv_starts(inputs);
   const mx::array& starts = tables ? *tables : given_starts ? *given_starts : lens;
   const mx::array& sinks = p.sinks(inputs) ? *p.sinks(inputs) : lens;
+  // The dense layout's ring (int32 [B], already in [0, T)); the dense kernel's slot holds valid_lens without one.
+  const mx::array* ring = p.ring_offset(inputs);
   if (out.size() == 0) { // B == 0: nothing to launch
     out.set_data(mx::allocator::malloc(0));
     return;
@@ -69,14 +72,16 @@ void launch(DecodePrimitive& p, const std::vector<mx::array>& inputs, mx::array&
   const LaunchShape shape{
       q.shape(0), q.shape(1), rows.H_kv, q.shape(2), rows.T, q.shape(3), effective_window(at.window, rows.T),
       kernel_dtype(q.dtype()),
-      /* max_threads_per_group, set by the launch */ MBD_SIMD_WIDTH, at.has_kv_starts, at.has_sinks};
+      /* max_threads_per_group, set by the launch */ MBD_SIMD_WIDTH, at.has_kv_starts, at.has_sinks,
+      ring != nullptr};
   const int batch = rows.axes[0], head = rows.axes[1], seq = rows.axes[2];
   // The ragged layout's K/V strides and offsets are each request's, in its table: 0 here.
   const auto kv = [&](const mx::array& a, int axis) { return per_request ? 0 : a.strides(axis); };
   const InputStrides strides{q.strides(0),   q.strides(1),   q.strides(2),
                              kv(k, batch),   kv(k, head),    kv(k, seq),
                              kv(v, batch),   kv(v, head),    kv(v, seq),
-                             lens.strides(0), tables ? 0 : starts.strides(0), sinks.strides(0)};
+                             lens.strides(0), tables ? 0 : starts.strides(0), sinks.strides(0),
+                             ring ? ring->strides(0) : 0};
   // Metal buffers start at least 16-byte aligned, so the views' byte offsets decide the vector loads.
   const InputOffsets offsets{q.offset(), per_request ? 0 : k.offset(), per_request ? 0 : v.offset()};
   const PagedLayout paged = tables ? PagedLayout{k.shape(seq), k.shape(batch), tables->strides(0), tables->strides(1)}
@@ -84,7 +89,8 @@ void launch(DecodePrimitive& p, const std::vector<mx::array>& inputs, mx::array&
   const RaggedLayout layout = per_request ? ragged_layout(rows, q.shape(0)) : RaggedLayout{};
   const RaggedBuffers ragged{layout, rows.request_keys, rows.request_values};
   launch_decode_attention(p.stream(), p.name(), shape, strides, offsets, paged, at.scale,
-                          {q, k, v, lens, starts, sinks}, out, quantized, per_request ? &ragged : nullptr);
+                          {q, k, v, lens, starts, sinks, ring ? *ring : lens}, out, quantized,
+                          per_request ? &ragged : nullptr);
 }
 
 } // namespace

@@ -33,6 +33,7 @@ struct LaunchShape {
   int max_threads_per_group; // the pipeline's maxTotalThreadsPerThreadgroup
   bool has_kv_starts;
   bool has_sinks;
+  bool has_ring_offset = false; // the dense layout's ring (MBD_RING_OFFSETS)
 };
 
 struct Size3 {
@@ -52,6 +53,7 @@ enum BufferIndex : int {
   kPartialMax = 8,
   kPartialSum = 9,
   kParams = 10,
+  kRingOffsets = MBD_RING_OFFSETS, // the dense kernel's only
 };
 
 struct LaunchPlan {
@@ -198,7 +200,7 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s) {
 
 /**
  * Strides (in elements) of queries [B, H_q, L, D], keys/values [B, H_kv, T, D],
- * valid_lens [B], kv_starts [B] and sinks [H_q] (the last two: any value when absent).
+ * valid_lens [B], kv_starts [B], sinks [H_q] and ring offsets [B] (the last three: any value when absent).
  */
 struct InputStrides {
   int64_t q_batch, q_head, q_row;
@@ -207,6 +209,7 @@ struct InputStrides {
   int64_t lens;
   int64_t starts;
   int64_t sinks;
+  int64_t ring = 0;
 };
 
 /**
@@ -225,7 +228,7 @@ struct PagedLayout {
 inline InputStrides effective_strides(const LaunchShape& s, const InputStrides& strides, const PagedLayout& paged = {}) {
   InputStrides st = strides;
   if (s.batch == 1) {
-    st.q_batch = st.lens = st.starts = 0;
+    st.q_batch = st.lens = st.starts = st.ring = 0;
     // Pages are not requests: a paged pool steps pages whatever B is.
     if (paged.block_size == 0) {
       st.k_batch = st.v_batch = 0;
@@ -251,6 +254,9 @@ inline InputStrides effective_strides(const LaunchShape& s, const InputStrides& 
   }
   if (!s.has_sinks) {
     st.sinks = 0;
+  }
+  if (!s.has_ring_offset) {
+    st.ring = 0;
   }
   return st;
 }
@@ -320,6 +326,8 @@ inline BatchedDecodeParams make_params(
   p.num_blocks = paged.num_blocks;
   p.table_batch_stride = paged.table_batch;
   p.table_page_stride = paged.table_page;
+  p.has_ring_offset = s.has_ring_offset ? 1 : 0;
+  p.ring_stride = st.ring;
   return p;
 }
 

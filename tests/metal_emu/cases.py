@@ -27,19 +27,32 @@ class Case:
     kv_starts: np.ndarray | None = None  # int32 [B]
     window: int | None = None
     sinks: np.ndarray | None = None  # float32 [H_q]
+    # int32 [B], given to the kernel raw: position j of request b in slot (j + ring_offset[b]) mod T.
+    ring_offset: np.ndarray | None = None
 
     def run(self, lib, **kwargs) -> np.ndarray:
         """The emulated kernels' output [B, H_q, L, D] in the storage dtype;
         ``kwargs`` go to ``EmulatedLibrary.attention``."""
+        if self.ring_offset is not None:
+            kwargs["ring_offset"] = self.ring_offset
         return lib.attention(self.queries, self.keys, self.values, self.valid_lens, self.dtype, self.scale,
                              kv_starts=self.kv_starts, window=self.window, sinks=self.sinks, **kwargs)
 
     def reference(self) -> np.ndarray:
         """float64 output [B, H_q, L, D] of the inputs as rounded to ``dtype``."""
+        keys, values = to_float64(self.keys, self.dtype), to_float64(self.values, self.dtype)
+        if self.ring_offset is not None:
+            # Back in time order: logical position j from slot (j + offset) mod T.
+            keys, values = unring(keys, self.ring_offset), unring(values, self.ring_offset)
         return reference_attention(
-            to_float64(self.queries, self.dtype), to_float64(self.keys, self.dtype),
-            to_float64(self.values, self.dtype), self.valid_lens, self.scale, self.kv_starts, self.window,
-            None if self.sinks is None else self.sinks.astype(np.float64))
+            to_float64(self.queries, self.dtype), keys, values, self.valid_lens, self.scale, self.kv_starts,
+            self.window, None if self.sinks is None else self.sinks.astype(np.float64))
+
+
+def unring(x: np.ndarray, ring_offset: np.ndarray) -> np.ndarray:
+    """[B, H, T, ...] stored as a ring -> time order: out[b, :, j] = x[b, :, (j + ring_offset[b]) mod T]."""
+    t = x.shape[2]
+    return np.stack([np.roll(x[n], -(int(r) % max(t, 1)), axis=1) for n, r in enumerate(ring_offset)])
 
 
 def attended(lens, starts, rows: int, t: int, window: int | None) -> np.ndarray:
@@ -88,3 +101,25 @@ def make_case(rng: np.random.Generator, dtype: str, d: int, h_kv: int, g: int, t
         window=window,
         sinks=sink_buffer[::2] if sinks else None,
     )
+
+
+def make_ring_case(rng: np.random.Generator, dtype: str, d: int, h_kv: int, g: int, t: int, lens: list[int],
+                   ring: list[int], **kwargs) -> Case:
+    """``make_case`` with the T positions of each request stored as a ring: logical position j
+    of request b in slot (j + ring[b]) mod T of the same buffers (the NaN of every position no
+    row attends goes along; the extra capacity past T stays NaN). ``ring`` reaches the kernel
+    as given, any int32."""
+    case = make_case(rng, dtype, d, h_kv, g, t, lens, **kwargs)
+    for n, r in enumerate(ring):
+        shift = int(r) % max(t, 1)
+        case.keys[n] = np.roll(case.keys[n], shift, axis=1)
+        case.values[n] = np.roll(case.values[n], shift, axis=1)
+    case.ring_offset = np.array(ring, dtype=np.int32)
+    return case
+
+
+def ring_unread(case: Case) -> np.ndarray:
+    """bool [B, T]: the slots of a ring case that no query row reads."""
+    t = case.keys.shape[2]
+    unread = ~attended(case.valid_lens, case.kv_starts, case.queries.shape[2], t, case.window)
+    return np.stack([np.roll(u, int(r) % max(t, 1)) for u, r in zip(unread, case.ring_offset)])

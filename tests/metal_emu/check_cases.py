@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cases import attended, make_case
+from .cases import attended, make_case, make_ring_case, ring_unread
 from .driver import EmulatedLibrary
 from .ragged_cases import make_ragged_case
 from .reference import TOLERANCE, to_float64
@@ -70,10 +70,27 @@ RAGGED_CASE_SETS = {
 }
 
 
+# make_ring_case arguments, run with buffers of exactly the views' size: ring offsets far outside
+# [0, T] and at its ends, given to the kernel raw (its own modulo keeps every slot in [0, T)),
+# with lengths and starts outside [0, T] too; split-K (the first), single pass, a generic head dim.
+RING_CASE_SETS = {
+    "ring_adversarial": [
+        dict(dtype="float32", d=64, h_kv=1, g=2, t=131, lens=[131, 10_000, 5, 131, -3, 70], rows=3,
+             starts=[0, -7, 2, 130, 0, 2**31 - 1], window=10**6,
+             ring=[2**31 - 1, -(2**31), -1, 130, 131 * 7 + 3, 131]),
+        dict(dtype="float16", d=1, h_kv=2, g=1, t=40, lens=[40, 3, 39], rows=4, window=5, sinks=True,
+             ring=[-5, 2**31 - 2, 39]),
+        dict(dtype="bfloat16", d=128, h_kv=1, g=4, t=20, lens=[20, 20, 11], starts=[3, 0, 0],
+             ring=[-(2**31) + 1, 19, 2**30]),
+    ],
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("library", type=Path)
-    parser.add_argument("--cases", choices=sorted(CASE_SETS) + sorted(RAGGED_CASE_SETS), default="small")
+    parser.add_argument("--cases", choices=sorted(CASE_SETS) + sorted(RAGGED_CASE_SETS) + sorted(RING_CASE_SETS),
+                        default="small")
     parser.add_argument("--no-nan-margins", action="store_true")
     parser.add_argument("--poison-unread", action="store_true",
                         help="AddressSanitizer reports a read of any K/V position no query row attends")
@@ -86,6 +103,13 @@ def main() -> None:
         case = make_ragged_case(rng, extra_capacity=0, **spec)
         out = case.run(lib, max_threads=args.max_threads, backend=args.backend, nan_margins=not args.no_nan_margins,
                        unreadable=case.unread() if args.poison_unread else None)
+        np.testing.assert_allclose(to_float64(out, case.dtype), case.reference(), atol=TOLERANCE[case.dtype],
+                                   rtol=TOLERANCE[case.dtype])
+        print("ok", " ".join(f"{k}={v}" for k, v in spec.items()))
+    for spec in RING_CASE_SETS.get(args.cases, []):
+        case = make_ring_case(rng, extra_capacity=0, **spec)
+        out = case.run(lib, max_threads=args.max_threads, backend=args.backend, nan_margins=not args.no_nan_margins,
+                       unreadable=ring_unread(case) if args.poison_unread else None)
         np.testing.assert_allclose(to_float64(out, case.dtype), case.reference(), atol=TOLERANCE[case.dtype],
                                    rtol=TOLERANCE[case.dtype])
         print("ok", " ".join(f"{k}={v}" for k, v in spec.items()))

@@ -26,6 +26,8 @@ BACKENDS = {"fibers": 0, "threads": 1}
 RAGGED_SLOTS = 16
 BUFFERS = ("queries", "keys", "values", "valid_lens", "kv_starts", "sinks", "out", "partial_acc", "partial_max",
            "partial_sum", "params", "requests", "group", *(f"slot{i}" for i in range(RAGGED_SLOTS)))
+# The dense kernel binds its ring offsets at the ragged kernel's "requests" index (MBD_RING_OFFSETS).
+RING_OFFSETS = "requests"
 # Device copies start on this boundary (Metal buffers start at least this aligned), plus any shift.
 ALIGNMENT = 16
 MAX_BUFFERS = 31
@@ -110,7 +112,7 @@ class EmulatedLibrary:
         self._lib.mbd_emu_attention.argtypes = [
             ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(ctypes.c_longlong * 12), *[ctypes.c_void_p] * 6,
             ctypes.POINTER(ctypes.c_ulonglong * 6), ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_char_p,
-            ctypes.c_int, ctypes.c_void_p]
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_ulonglong]
         self._lib.mbd_emu_quantized_attention.argtypes = [
             ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(ctypes.c_longlong * 12),
             ctypes.POINTER(ctypes.c_longlong * 16), ctypes.POINTER(ctypes.c_int * 3), *[ctypes.c_void_p] * 6,
@@ -173,7 +175,8 @@ class EmulatedLibrary:
     def attention(self, queries: np.ndarray, keys: np.ndarray, values: np.ndarray, valid_lens: np.ndarray,
                   dtype: str, scale: float, *, kv_starts: np.ndarray | None = None, window: int | None = None,
                   sinks: np.ndarray | None = None, max_threads: int = 1024, backend: str = "fibers",
-                  nan_margins: bool = True, unreadable: np.ndarray | None = None, shift: int = 0) -> np.ndarray:
+                  nan_margins: bool = True, unreadable: np.ndarray | None = None, shift: int = 0,
+                  ring_offset: np.ndarray | None = None) -> np.ndarray:
         """Runs the emulated kernels; returns the [B, H_q, L, D] output in the storage dtype.
 
         ``kv_starts``, ``window`` (an int >= 1) and ``sinks``: the op's options,
@@ -183,7 +186,9 @@ class EmulatedLibrary:
         [B, T]: K/V positions (all heads) that AddressSanitizer reports any read
         of (an AddressSanitizer build only); ``shift``: the first elements of Q, K
         and V sit this many elements past a 16-byte boundary (1: too few for
-        any vector load).
+        any vector load); ``ring_offset``: int32 [B] (any stride) or None, the dense ring
+        (logical position j of request b in slot (j + ring_offset[b]) mod T), given to the
+        kernel as is, without the op's modulo.
         """
         b, h_q, rows, d = queries.shape
         h_kv, t = keys.shape[1], keys.shape[2]
@@ -197,7 +202,7 @@ class EmulatedLibrary:
         if any(s % itemsize for s in strides):
             raise ValueError("strides must be whole elements")
         for name, array, kind in (("valid_lens", valid_lens, np.int32), ("kv_starts", kv_starts, np.int32),
-                                  ("sinks", sinks, np.float32)):
+                                  ("sinks", sinks, np.float32), ("ring_offset", ring_offset, np.int32)):
             if array is not None and (array.dtype != kind or array.strides[0] % 4):
                 raise ValueError(f"{name} must be {kind.__name__} with a stride of whole elements")
         # The buffers stay alive in ``copies`` while the kernels read them at ``addresses``.
@@ -206,6 +211,7 @@ class EmulatedLibrary:
         addresses = [None if c is None else c[1] for c in copies]
         spans = (ctypes.c_ulonglong * 6)(*(0 if c is None else c[2] for c in copies))
         option_strides = [0 if a is None else a.strides[0] // 4 for a in (kv_starts, sinks)]
+        ring = None if ring_offset is None else _device_copy(ring_offset, nan_margins)
         # Poisoned output: an element the kernel never writes stays NaN.
         out = np.full((b, h_q, rows, d), 0xFFFF if dtype == "bfloat16" else np.nan, dtype=STORAGE[dtype])
         error = ctypes.create_string_buffer(4096)
@@ -215,7 +221,9 @@ class EmulatedLibrary:
             self._shape(b, h_q, h_kv, rows, t, d, effective_window(window, t), dtype, max_threads,
                         kv_starts is not None, sinks is not None),
             (ctypes.c_longlong * 12)(*(s // itemsize for s in strides), valid_lens.strides[0] // 4, *option_strides),
-            *addresses, spans, out.ctypes.data, scale, BACKENDS[backend], error, 4096, None)
+            *addresses, spans, out.ctypes.data, scale, BACKENDS[backend], error, 4096, None,
+            None if ring is None else ring[1], 0 if ring is None else ring_offset.strides[0] // 4,
+            0 if ring is None else ring[2])
         if unreadable is not None:
             for buffer, _, _ in copies[1:3]:
                 self._lib.mbd_emu_poison(buffer.ctypes.data, buffer.nbytes, 0)
@@ -253,7 +261,7 @@ class EmulatedLibrary:
                         sinks is not None),
             (ctypes.c_longlong * 12)(*(s // itemsize for s in strides), valid_lens.strides[0] // 4, 0,
                                      0 if sinks is None else sinks.strides[0] // 4),
-            *addresses, spans, out.ctypes.data, scale, BACKENDS["fibers"], error, 4096, paged)
+            *addresses, spans, out.ctypes.data, scale, BACKENDS["fibers"], error, 4096, paged, None, 0, 0)
         if status:
             raise HarnessError(error.value.decode())
         return out

@@ -237,20 +237,25 @@ static std::string run_passes(const LaunchShape& s, const LaunchPlan& plan, void
  * stride, table page stride} of a paged call (PagedLayout), whose keys and
  * values are pools (strides {page, head, row}) and whose kv_starts is
  * block_tables int32 [B, MB], as eval_gpu of PagedDecodeAttention binds them.
+ * ring_offsets: null, or the dense layout's ring offsets int32 [B] (raw: the
+ * kernel takes them modulo T) of stride ring_stride and ring_bytes bytes,
+ * bound at kRingOffsets as eval_gpu of BatchedDecodeAttention binds them.
  */
 int mbd_emu_attention(const int shape[11], const long long strides[12], const void* queries,
                       const void* keys, const void* values, const int* valid_lens, const int* kv_starts,
                       const float* sinks, const unsigned long long input_bytes[6], void* out, float scale,
-                      int backend, char* error, int error_len, const long long* paged) {
+                      int backend, char* error, int error_len, const long long* paged, const int* ring_offsets,
+                      long long ring_stride, unsigned long long ring_bytes) {
   try {
     std::memset(&last_launch, 0, sizeof(last_launch));
-    const LaunchShape s = to_shape(shape);
+    LaunchShape s = to_shape(shape);
     if (s.batch == 0) {  // as eval_gpu: nothing to launch
       return 0;
     }
+    s.has_ring_offset = ring_offsets != nullptr;
     const LaunchPlan plan = make_launch_plan(s);
     const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
-                          strides[6], strides[7], strides[8], strides[9], strides[10], strides[11]};
+                          strides[6], strides[7], strides[8], strides[9], strides[10], strides[11], ring_stride};
     PagedLayout layout;
     if (paged != nullptr) {
       layout = PagedLayout{int(paged[0]), int(paged[1]), paged[2], paged[3]};
@@ -268,6 +273,9 @@ int mbd_emu_attention(const int shape[11], const long long strides[12], const vo
     unsigned long long bytes[kBindings] = {input_bytes[0], input_bytes[1], input_bytes[2],
                                            input_bytes[3], input_bytes[4], input_bytes[5]};
     bytes[kParams] = sizeof(params);
+    // As eval_gpu: without a ring, the dense kernel's ring slot holds valid_lens, unread.
+    buffers[kRingOffsets] = ring_offsets ? const_cast<int*>(ring_offsets) : buffers[kValidLens];
+    bytes[kRingOffsets] = ring_offsets ? ring_bytes : bytes[kValidLens];
     const std::string problem =
         run_passes(s, plan, buffers, bytes, vector_loads(s, plan, st, offsets, layout), backend);
     return problem.empty() ? 0 : report(problem, error, error_len);

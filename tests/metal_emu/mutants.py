@@ -103,6 +103,22 @@ MUTATIONS = {
         "keys = slots.pick(r.k_slot) + r.k_offset + h * r.k_head_stride;",
         "keys = slots.pick(r.k_slot) + h * r.k_head_stride;",
     ),
+    # Ring row source (tests/kernels/metal/test_metal_ring_emulated.py): the offset used as given, so
+    # one of T + 2 reads 2 slots past the range and one of -(T + 1) the slot before it.
+    "ring_modulo_dropped": (
+        "const int r = ring_offsets[b * p.ring_stride] % p.seq_len;",
+        "const int r = ring_offsets[b * p.ring_stride] + 0 * p.seq_len;",
+    ),
+    # A shift of T is none, but every other offset outside [0, T] rotates the ring wrongly.
+    "ring_modulo_of_t_plus_1": (
+        "ring_offsets[b * p.ring_stride] % p.seq_len;",
+        "ring_offsets[b * p.ring_stride] % (p.seq_len + 1);",
+    ),
+    # Position T - shift read from slot T, one past the range, instead of slot 0.
+    "ring_wrap_off_by_one": (
+        "t < p.seq_len - shift ? t + shift",
+        "t <= p.seq_len - shift ? t + shift",
+    ),
     # Vector loads whatever the views' alignment (UBSan reports them, see test_metal_sanitizers).
     "vector_loads_whatever_the_alignment": (
         "constant bool bda_vector_loads [[function_constant(MBD_FC_VECTOR_LOADS)]];",
@@ -117,6 +133,10 @@ PAGED_ONLY = {"paged_entry_above_pool_read", "paged_out_of_pool_row_read", "page
 # Mutations of the ragged row source, run on ragged cases (tests/kernels/metal/test_metal_ragged_mutations.py).
 RAGGED_ONLY = {"ragged_length_unclamped", "ragged_values_in_the_keys_slot", "ragged_wrong_slot",
                "ragged_group_offset_ignored", "ragged_request_offset_ignored"}
+
+# Mutations of the ring (dense layout with ring offsets), run on ring cases
+# (tests/kernels/metal/test_metal_ring_emulated.py).
+RING_ONLY = {"ring_modulo_dropped", "ring_modulo_of_t_plus_1", "ring_wrap_off_by_one"}
 
 # Caught by the AddressSanitizer + UBSan build only (tests/kernels/metal/test_metal_sanitizers.py):
 # on x86 a misaligned vector load reads the right bytes.

@@ -52,6 +52,9 @@ def test_metal_build_matches_mlx_host_api(source):
      ("{ return kernel_source(dtype, head_dim, bits, ragged); }", "{ return 0; }", "get_library"),
      # Ragged groups after the first register their outputs without rebinding them.
      ("encoder.register_output_array(out);", "encoder.register_output(out);", "register_output"),
+     # The dense kernel's ring offsets, an input array at their own index.
+     ("encoder.set_input_array(in.ring_offsets, kRingOffsets);", "encoder.set_input_array(in.ring_offsets);",
+      "set_input_array"),
      ("{&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}",
       "{vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}", "MTLFCList")])
 def test_the_check_bites(tmp_path, original, broken, diagnostic):
