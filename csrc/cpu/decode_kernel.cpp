@@ -641,6 +641,22 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
   T* block = s.block.data();
   const T* rows[kBlock];
   int64_t k_ahead[kBlock], v_ahead[kBlock]; // a paged source's successor offsets (Lookahead)
+  // Paged rows read in place: the first head walks a block's table entries
+  // and the other heads' rows lie a head stride from its rows.
+  const bool paged_heads = c.heads > 1 && passes[0].ks.paged() && !gathered<D>(a.k_stride) && !gathered<D>(a.v_stride);
+  const T* first_rows[2][kBlock];
+  Lookahead first_next[2];
+  uint32_t first_valid = 0;
+  // Rows of head i of side (0 keys, 1 values) into rows, from the first head's.
+  auto shift_rows = [&](int side, int i, int n) {
+    const int64_t step = i * (side ? a.v_stride[1] : a.k_stride[1]);
+    for (int j = 0; j < n; ++j) {
+      rows[j] = first_valid >> j & 1u ? first_rows[side][j] + step : first_rows[side][j];
+    }
+    for (int j = n; j % 4 != 0; ++j) {
+      rows[j] = rows[n - 1];
+    }
+  };
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   AmxItem<T>& tiles = tls_tiles<T>;
   if constexpr (kAmx<T> && Bits == 0) {
@@ -708,7 +724,18 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
       if constexpr (Bits != 0) {
         score_quantized_block<Bits, D>(a, qs, c.b, c.h, t, n, t1, scores, quantized);
       } else {
-        valid = load_block<T, D>(a, ks, t, n, t1, block, rows, &k_next, k_ahead);
+        if (paged_heads && i > 0) {
+          shift_rows(0, i, n);
+          valid = first_valid;
+          k_next = first_next[0];
+        } else {
+          valid = load_block<T, D>(a, ks, t, n, t1, block, rows, &k_next, k_ahead);
+          if (paged_heads) {
+            std::copy_n(rows, kBlock, first_rows[0]);
+            first_valid = valid;
+            first_next[0] = k_next;
+          }
+        }
         for (int j = 0; j < n; j += 4) {
           const Lookahead ahead{k_next.offset, k_next.rows - j, k_next.offsets ? k_next.offsets + j : nullptr};
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -756,7 +783,16 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
         continue;
       }
       // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.
-      load_block<T, D>(a, vs, t, n, t1, block, rows, &v_next, v_ahead);
+      if (paged_heads && i > 0) {
+        shift_rows(1, i, n);
+        v_next = first_next[1];
+      } else {
+        load_block<T, D>(a, vs, t, n, t1, block, rows, &v_next, v_ahead);
+        if (paged_heads) {
+          std::copy_n(rows, kBlock, first_rows[1]);
+          first_next[1] = v_next;
+        }
+      }
       if (masked) {
         for_row_tiles<4>(R, [&]<int H>(int r) {
           accumulate_rows<VectorLanes, D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n,

@@ -23,8 +23,6 @@ namespace {
 // Keys per work item: long requests are split (flash-decoding) so that one
 // request or a skewed batch still spreads over all cores.
 constexpr int kChunk = 512;
-// Keys per work item of several KV heads (item_heads).
-constexpr int kHeadsChunk = 256;
 // Query rows from which the AMX tiles may take a work item (the fewest of
 // decode_kernel.cpp's kAmxMinRows): such items keep one head each.
 constexpr int kAmxFewestRows = 8;
@@ -157,13 +155,13 @@ int item_heads(const DecodeArgs& a, int b) {
   return std::min(a.H_kv, kMaxItemHeads);
 }
 
-// The pieces of a request's keys, at most `chunk` each, each on one side of a
+// The pieces of a request's keys, at most kChunk each, each on one side of a
 // ring's wrap (logical position wrap = T - slot of position 0 is stored at slot 0).
-std::vector<Chunk> dense_pieces(const DecodeArgs& a, int b, KeyRange keys, int chunk) {
+std::vector<Chunk> dense_pieces(const DecodeArgs& a, int b, KeyRange keys) {
   const int slot = a.ring_slot(b), wrap = a.T - slot;
   std::vector<Chunk> pieces;
   for (int t = keys.lo; t < keys.hi;) {
-    int end = std::min(keys.hi, t + chunk);
+    int end = std::min(keys.hi, t + kChunk);
     if (t < wrap && end > wrap) {
       end = wrap;
     }
@@ -178,9 +176,8 @@ void plan_dense(const DecodeArgs& a, Call& call) {
   int64_t total = 0;
   for (int b = 0; b < a.B; ++b) {
     // Only the keys some query row attends are read: a window or a start skips the rest.
-    // Items of several heads take shorter chunks: about the work of one head's.
     const int heads = item_heads(a, b);
-    const std::vector<Chunk> pieces = dense_pieces(a, b, a.request_range(b), heads > 1 ? kHeadsChunk : kChunk);
+    const std::vector<Chunk> pieces = dense_pieces(a, b, a.request_range(b));
     const int chunks = static_cast<int>(pieces.size());
     for (int h = 0; h < a.H_kv; ++h) {
       const int64_t pair = static_cast<int64_t>(b) * a.H_kv + h;
