@@ -60,3 +60,23 @@ def place_on_huge_pages(buffers: Iterable[mx.array]) -> None:
     mx.eval(buffers)
     for buffer in buffers:
         advise_huge_pages(buffer)
+
+
+class SlotBuffers:
+    """The key and value buffers ``[slots, H_kv, capacity, D]`` of a slot cache, made on its
+    first write (``None`` before): what every slot-cache kind reports of them."""
+
+    keys: Optional[mx.array] = None
+    values: Optional[mx.array] = None
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes

@@ -10,7 +10,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .buffers import check_step, place_on_huge_pages, round_up, slot_growth
+from .buffers import SlotBuffers, check_step, place_on_huge_pages, round_up, slot_growth
 from .context import BatchedDecodeContext
 
 
@@ -62,7 +62,7 @@ class ContiguousKVCache:
         self.keys, self.values = new_keys, new_values
 
 
-class SlotKVCache:
+class SlotKVCache(SlotBuffers):
     """One layer's keys and values for a batch of requests: ``[S, H_kv, capacity, D]`` each.
 
     Request ``b`` of a step owns slot (row) ``b``. A decode step writes every request's new tokens
@@ -75,20 +75,6 @@ class SlotKVCache:
 
     def __init__(self, step: int = 256):
         self.step = check_step("SlotKVCache", step)
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
-
-    @property
-    def slots(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[0]
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     def reserve(self, slots: int, length: int, keys: mx.array, values: mx.array) -> None:
         """Make room for ``slots`` slots of ``length`` positions, shaped and typed like

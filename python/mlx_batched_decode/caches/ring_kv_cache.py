@@ -14,15 +14,13 @@ H_kv = key/value heads, D = head dimension, S = slots, R = ring positions per re
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 
-from .buffers import check_step, first_capacity, place_on_huge_pages, slot_growth
+from .buffers import SlotBuffers, check_step, first_capacity, place_on_huge_pages, slot_growth
 from .context import BatchedDecodeContext
 
 
-class RingSlotKVCache:
+class RingSlotKVCache(SlotBuffers):
     """One windowed layer's keys and values for a batch of requests: ``[S, H_kv, capacity, D]``
     each, ``capacity <= size``.
 
@@ -38,20 +36,6 @@ class RingSlotKVCache:
             raise ValueError(f"[RingSlotKVCache] size must be >= 1, got {size}")
         self.size = size
         self.step = check_step("RingSlotKVCache", step)
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
-
-    @property
-    def slots(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[0]
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     def reserve(self, slots: int, length: int, keys: mx.array, values: mx.array) -> None:
         """Make room for ``slots`` slots of ``length`` positions (at most ``size`` are kept),
