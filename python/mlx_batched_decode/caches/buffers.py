@@ -80,3 +80,17 @@ class SlotBuffers:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def scatter(
+        self, rows: mx.array, positions: mx.array, length: int, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """Write new ``[B, H_kv, L, D]`` keys/values of slots ``rows`` at ``positions`` ``[B, L]``
+        and return the strided views ``[B, H_kv, length, D]`` attention reads in place.
+
+        One scatter per buffer for the whole batch; MLX updates the buffer in place. The two
+        index arrays broadcast to [B, L] and sit apart, so the updates are [B, L, H_kv, D].
+        """
+        self.keys[rows, :, positions] = keys.swapaxes(1, 2)
+        self.values[rows, :, positions] = values.swapaxes(1, 2)
+        B = keys.shape[0]
+        return self.keys[:B, :, :length], self.values[:B, :, :length]

@@ -114,14 +114,7 @@ class SlotKVCache(SlotBuffers):
         in place; positions at or past a request's ``valid_lens`` hold stale data, never read.
         """
         self.reserve(context.batch_size, context.max_len, keys, values)
-        # One scatter per buffer for the whole batch; MLX updates the buffer in place. The two
-        # index arrays broadcast to [B, L] and sit apart, so the updates are [B, L, H_kv, D].
-        self.keys[context.rows, :, context.new_positions] = keys.swapaxes(1, 2)
-        self.values[context.rows, :, context.new_positions] = values.swapaxes(1, 2)
-        return (
-            self.keys[: context.batch_size, :, : context.max_len],
-            self.values[: context.batch_size, :, : context.max_len],
-        )
+        return self.scatter(context.rows, context.new_positions, context.max_len, keys, values)
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""

@@ -85,13 +85,7 @@ class RingSlotKVCache(SlotBuffers):
                 f"(its ring_sizes are {sorted(context.rings)})"
             )
         self.reserve(context.batch_size, ring.max_len, keys, values)
-        # One scatter per buffer for the whole batch, in place, as SlotKVCache.update.
-        self.keys[context.rows, :, ring.new_slots] = keys.swapaxes(1, 2)
-        self.values[context.rows, :, ring.new_slots] = values.swapaxes(1, 2)
-        return (
-            self.keys[: context.batch_size, :, : ring.max_len],
-            self.values[: context.batch_size, :, : ring.max_len],
-        )
+        return self.scatter(context.rows, ring.new_slots, ring.max_len, keys, values)
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s ring, which holds its first ``length`` positions' last ``R``,
