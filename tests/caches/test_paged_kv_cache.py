@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mlx_batched_decode.caches.block_allocator import BlockAllocator, BlockBudgetError
-from mlx_batched_decode.caches.paged_kv_cache import PagedKVCache
+from mlx_batched_decode.caches.paged_kv_cache import POOL_LAYOUTS, PagedKVCache
 from mlx_batched_decode.caches.prefix_hashes import block_hashes
 
 H_KV, D = 2, 4
@@ -84,10 +84,16 @@ def test_cached_blocks_are_evicted_before_the_budget_refuses():
 # -- cache --------------------------------------------------------------------------------------
 
 
+# A head's offset in the values fill writes: a pool layout that mixed up heads and rows shows.
+HEAD = 100_000.0
+
+
 def fill(tokens_len, start, tag):
-    """[1, H_kv, P, D] keys whose every value encodes (tag, position): traceable after reads."""
+    """[1, H_kv, P, D] keys whose every value encodes (tag, head, position): traceable after
+    reads."""
     pos = np.arange(start, start + tokens_len, dtype=np.float32)
-    rows = tag * 1000.0 + pos[None, :, None] + np.zeros((1, H_KV, 1, D), np.float32)
+    heads = HEAD * np.arange(H_KV, dtype=np.float32)[:, None, None]
+    rows = tag * 1000.0 + pos[None, :, None] + heads + np.zeros((1, H_KV, 1, D), np.float32)
     return mx.array(rows)
 
 
@@ -97,13 +103,14 @@ def gather(cache, rid, length, layer=0):
     j = np.arange(length)
     blocks = mx.array([table[p] for p in j // cache.block_size], dtype=mx.int32)
     rows = mx.array(j % cache.block_size, dtype=mx.int32)
-    return np.array(cache.keys[layer][blocks, rows]).swapaxes(0, 1)
+    return np.array(cache.pools(layer)[0][blocks, rows]).swapaxes(0, 1)
 
 
 def expected(tags_by_position):
     pos = np.arange(len(tags_by_position), dtype=np.float32)
     values = np.array(tags_by_position, np.float32) * 1000.0 + pos
-    return np.broadcast_to(values[None, :, None], (H_KV, len(pos), D))
+    heads = HEAD * np.arange(H_KV, dtype=np.float32)[:, None, None]
+    return np.broadcast_to(values[None, :, None] + heads, (H_KV, len(pos), D))
 
 
 def admit_and_prefill(cache, rid, tokens, total_len, tag):
@@ -136,8 +143,9 @@ def test_block_hashes_chain_prefixes():
     assert c[0] != a[1]
 
 
-def test_prefix_blocks_are_shared_and_never_written():
-    cache = PagedKVCache(2, block_size=4, max_blocks=16, initial_blocks=2)
+@pytest.mark.parametrize("pool_layout", POOL_LAYOUTS)
+def test_prefix_blocks_are_shared_and_never_written(pool_layout):
+    cache = PagedKVCache(2, block_size=4, max_blocks=16, initial_blocks=2, pool_layout=pool_layout)
     prompt = list(range(10))  # two full blocks and a partial one
     assert admit_and_prefill(cache, "a", prompt, 12, tag=1) == 0
     assert cache.blocks_in_use == 3
@@ -162,8 +170,9 @@ def test_prefix_blocks_are_shared_and_never_written():
     np.testing.assert_array_equal(gather(cache, "d", 10), expected([1] * 8 + [4] * 2))
 
 
-def test_copy_before_writing_a_shared_partial_block():
-    cache = PagedKVCache(1, block_size=4, max_blocks=8)
+@pytest.mark.parametrize("pool_layout", POOL_LAYOUTS)
+def test_copy_before_writing_a_shared_partial_block(pool_layout):
+    cache = PagedKVCache(1, block_size=4, max_blocks=8, pool_layout=pool_layout)
     admit_and_prefill(cache, "a", list(range(6)), 8, tag=1)
     assert cache.fork("a", "b", 6)
     shared = cache.tables["a"][1]
@@ -221,17 +230,20 @@ def test_budget_exhaustion_makes_a_request_wait_and_never_overwrites():
         decode_step(cache, ["b"], [8], [2])
 
 
-def test_pools_grow_keeping_block_ids_and_contents():
-    cache = PagedKVCache(1, block_size=2, initial_blocks=1)
+@pytest.mark.parametrize("pool_layout", POOL_LAYOUTS)
+def test_pools_grow_keeping_block_ids_and_contents(pool_layout):
+    cache = PagedKVCache(1, block_size=2, initial_blocks=1, pool_layout=pool_layout)
     admit_and_prefill(cache, "a", list(range(9)), 9, tag=1)
     mx.eval(cache.keys)
-    assert cache.num_blocks == 8 and cache.keys[0].shape == (8, 2, H_KV, D)
+    assert cache.num_blocks == 8 and cache.pools(0)[0].shape == (8, 2, H_KV, D)
     np.testing.assert_array_equal(gather(cache, "a", 9), expected([1] * 9))
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"^\[PagedKVCache\] block_size"):
         PagedKVCache(1, block_size=0)
+    with pytest.raises(ValueError, match=r"^\[PagedKVCache\] pool_layout must be one of"):
+        PagedKVCache(1, pool_layout="page-major")
     with pytest.raises(ValueError, match=r"^\[BlockAllocator\] max_blocks"):
         PagedKVCache(1, max_blocks=0)
     cache = PagedKVCache(1)
@@ -242,13 +254,16 @@ def test_bad_arguments():
         cache.admit("b", [1, 2], 1)
 
 
-def test_soak_joins_and_leaves_give_every_block_and_byte_back():
+@pytest.mark.parametrize("pool_layout", POOL_LAYOUTS)
+def test_soak_joins_and_leaves_give_every_block_and_byte_back(pool_layout):
     """Thousands of requests with shared prefixes join (some as forks of running ones, sharing
     a partly filled block), decode a few tokens and leave under a tight budget; contents are checked along the way, then every block is free again and MLX's
     active memory is back to where it was with the pools at their budget."""
     rng = random.Random(0)
     block_size, budget = 4, 24
-    cache = PagedKVCache(2, block_size=block_size, max_blocks=budget, max_cached_blocks=8)
+    cache = PagedKVCache(
+        2, block_size=block_size, max_blocks=budget, max_cached_blocks=8, pool_layout=pool_layout
+    )
     system = [rng.randrange(50) for _ in range(3 * block_size)]
     # Grow the pools to the budget once, then measure.
     admit_and_prefill(cache, "warm", list(range(budget * block_size)), budget * block_size, 0)

@@ -10,6 +10,7 @@ pytest.importorskip("mlx_lm")
 import mlx_batched_decode  # noqa: E402
 from mlx_batched_decode import _ext  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.caches.paged_kv_cache import POOL_LAYOUTS  # noqa: E402
 from mlx_batched_decode.caches.prefix_hashes import block_hashes  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from tests.support.mlx_lm_models import GPT_OSS, LLAMA, QWEN3, mlx_lm_greedy, random_prompts  # noqa: E402
@@ -82,15 +83,20 @@ class OpSpy:
         monkeypatch.setattr(mlx_batched_decode, "batched_decode_attention", dense)
 
 
+@pytest.mark.parametrize("pool_layout", POOL_LAYOUTS)
 @pytest.mark.parametrize("block_size", [16, 7])
 @pytest.mark.parametrize("sharing", [True, False])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_greedy_matches_mlx_lm_with_shared_prefixes(
-    models, references, family, sharing, block_size, monkeypatch
+    models, references, family, sharing, block_size, pool_layout, monkeypatch
 ):
     spy = OpSpy(monkeypatch)
     decoder = BatchedDecoder(
-        models[family], kv_layout="paged", block_size=block_size, prefix_sharing=sharing
+        models[family],
+        kv_layout="paged",
+        block_size=block_size,
+        pool_layout=pool_layout,
+        prefix_sharing=sharing,
     )
     kernel_calls = _ext.cpu_kernel_calls()
     # At most 3 at once: requests join as others leave; budgets differ, so they leave mid-way.
@@ -181,6 +187,7 @@ def test_bad_arguments_and_unsupported_combinations(models):
         (dict(kv_layout="paged", attention="seed"), "needs attention='slot'"),
         (dict(kv_layout="paged", draft_model=model), "does not decode speculatively"),
         (dict(kv_layout="paged", block_size=0), "block_size must be >= 1"),
+        (dict(kv_layout="paged", pool_layout="rows"), "pool_layout must be one of"),
         (dict(kv_layout="paged", max_kv_blocks=0), "max_kv_blocks must be >= 1"),
         (dict(kv_layout="paged", max_cached_blocks=-1), "max_cached_blocks must be >= 0"),
     ]

@@ -1,7 +1,7 @@
 """A paged KV cache: per-layer pools of fixed-size blocks, block tables per request, shared prefixes.
 
-Every layer has a key pool and a value pool ``[N, block_size, H_kv, D]``; a request's tokens live
-in the blocks of its block table, and block ``i`` means the same logical positions in every
+Every layer has a key pool and a value pool, which the op reads as ``[N, block_size, H_kv, D]``
+(``pools``); a request's tokens live in the blocks of its block table, and block ``i`` means the same logical positions in every
 layer, so one table per request serves all layers. Blocks come from a ``BlockAllocator``
 (reference counts, a budget, cached prefixes); the pools grow with the allocator's capacity.
 
@@ -12,6 +12,11 @@ prefixes. A request whose prompt starts with blocks already cached takes them (r
 first write into a block another request also holds (a partly filled block shared by ``fork``),
 the block is copied into a fresh one (copy on write). Blocks registered as prefixes are full, so
 no request writes them again.
+
+Pool layout: ``"head-major"`` stores each pool as ``[N, H_kv, block_size, D]`` (one head's rows of
+a block together) and hands the op a view with its axes 1 and 2 swapped, read in place;
+``"token-major"`` stores ``[N, block_size, H_kv, D]`` itself (vLLM's and SGLang's layout). Both
+hold the same bytes.
 
 Dimension legend: B = requests in the step, L = new tokens per request in the step,
 N = blocks in each pool, H_kv = key/value heads, P = positions, D = head dimension.
@@ -30,6 +35,10 @@ from .paged_context import PagedDecodeContext
 from .prefix_hashes import block_hashes
 
 
+POOL_LAYOUTS = ("head-major", "token-major")
+DEFAULT_POOL_LAYOUT = "head-major"
+
+
 class PagedKVCache:
     """Keys and values of many requests in per-layer block pools, with prefix sharing.
 
@@ -40,6 +49,8 @@ class PagedKVCache:
         max_cached_blocks: the most unreferenced full prompt blocks kept for later requests.
         initial_blocks: blocks the pools start with; they double when full, up to the budget.
         prefix_sharing: whether ``admit`` reuses and ``register_prompt`` records cached blocks.
+        pool_layout: ``"head-major"`` or ``"token-major"``, how each pool is stored (module
+            docstring).
 
     Requests are named by any hashable id. Their lifecycle: ``admit`` (takes the cached prefix
     blocks and reserves the rest), ``prefix_keys_values`` / ``write_prompt`` /
@@ -55,7 +66,12 @@ class PagedKVCache:
         max_cached_blocks: int = 256,
         initial_blocks: int = 64,
         prefix_sharing: bool = True,
+        pool_layout: str = DEFAULT_POOL_LAYOUT,
     ):
+        if pool_layout not in POOL_LAYOUTS:
+            raise ValueError(
+                f"[PagedKVCache] pool_layout must be one of {POOL_LAYOUTS}, got {pool_layout!r}"
+            )
         if num_layers < 1:
             raise ValueError(f"[PagedKVCache] num_layers must be >= 1, got {num_layers}")
         if block_size < 1:
@@ -63,6 +79,7 @@ class PagedKVCache:
         self.num_layers = num_layers
         self.block_size = block_size
         self.prefix_sharing = prefix_sharing
+        self.pool_layout = pool_layout
         self.allocator = BlockAllocator(max_blocks, initial_blocks, max_cached_blocks)
         self.keys: list[Optional[mx.array]] = [None] * num_layers
         self.values: list[Optional[mx.array]] = [None] * num_layers
@@ -176,8 +193,8 @@ class PagedKVCache:
         blocks = mx.array(self.tables[rid][: self.blocks_for(length)], dtype=mx.int32)
 
         def gather(pool: mx.array) -> mx.array:
-            rows = pool[blocks].reshape(-1, *pool.shape[2:])[:length]
-            return rows.swapaxes(0, 1)[None]
+            rows = self._view(pool[blocks])
+            return rows.reshape(-1, *rows.shape[2:])[:length].swapaxes(0, 1)[None]
 
         return [(gather(k), gather(v)) for k, v in zip(self.keys, self.values)]
 
@@ -196,8 +213,8 @@ class PagedKVCache:
         rows = mx.array([p % self.block_size for p in positions], dtype=mx.int32)
         for layer, (keys, values) in enumerate(layers_kv):
             self._ensure_pools(layer, keys, values)
-            self.keys[layer][blocks, rows] = keys[0].swapaxes(0, 1)
-            self.values[layer][blocks, rows] = values[0].swapaxes(0, 1)
+            self._scatter(self.keys[layer], blocks, rows, keys[0].swapaxes(0, 1))
+            self._scatter(self.values[layer], blocks, rows, values[0].swapaxes(0, 1))
 
     def register_prompt(self, rid: Hashable, tokens: Sequence[int]) -> None:
         """Record ``rid``'s full blocks of ``tokens`` (written at positions 0..) as cached
@@ -237,15 +254,32 @@ class PagedKVCache:
         self, layer: int, keys: mx.array, values: mx.array, context: PagedDecodeContext
     ) -> tuple[mx.array, mx.array]:
         """Write the step's new ``[B, H_kv, L, D]`` keys/values of ``layer`` at the context's
-        slots (one scatter per pool, in place); return the layer's pools
+        slots (one scatter per pool, in place); return the layer's pools as the op reads them,
         ``[N, block_size, H_kv, D]``."""
         self._ensure_pools(layer, keys, values)
         # Updates [B, L, H_kv, D] for the broadcast [B, L] (block, row) pairs.
-        self.keys[layer][context.write_blocks, context.write_rows] = keys.swapaxes(1, 2)
-        self.values[layer][context.write_blocks, context.write_rows] = values.swapaxes(1, 2)
-        return self.keys[layer], self.values[layer]
+        blocks, rows = context.write_blocks, context.write_rows
+        self._scatter(self.keys[layer], blocks, rows, keys.swapaxes(1, 2))
+        self._scatter(self.values[layer], blocks, rows, values.swapaxes(1, 2))
+        return self.pools(layer)
+
+    def pools(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The key and value pools of ``layer`` as the op reads them, ``[N, block_size, H_kv, D]``
+        (views of head-major storage)."""
+        return self._view(self.keys[layer]), self._view(self.values[layer])
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _view(self, stored: mx.array) -> mx.array:
+        """Blocks as stored -> ``[n, block_size, H_kv, D]``."""
+        return stored.swapaxes(1, 2) if self.pool_layout == "head-major" else stored
+
+    def _scatter(self, pool: mx.array, blocks: mx.array, rows: mx.array, updates: mx.array) -> None:
+        """``updates [..., H_kv, D]`` into ``pool`` at the broadcast (block, row) pairs, in place."""
+        if self.pool_layout == "head-major":
+            pool[blocks, :, rows] = updates
+        else:
+            pool[blocks, rows] = updates
 
     def _take_blocks(self, rid: Hashable, start: int, end: int) -> None:
         """Give ``rid`` a block it holds alone for every position in ``start .. end - 1``."""
@@ -290,9 +324,11 @@ class PagedKVCache:
 
     def _ensure_pools(self, layer: int, keys: mx.array, values: mx.array) -> None:
         if self.keys[layer] is None:
-            shape = (self.num_blocks, self.block_size, keys.shape[1])
-            self.keys[layer] = mx.zeros((*shape, keys.shape[3]), keys.dtype)
-            self.values[layer] = mx.zeros((*shape, values.shape[3]), values.dtype)
+            rows = (self.block_size, keys.shape[1])
+            if self.pool_layout == "head-major":
+                rows = rows[::-1]
+            self.keys[layer] = mx.zeros((self.num_blocks, *rows, keys.shape[3]), keys.dtype)
+            self.values[layer] = mx.zeros((self.num_blocks, *rows, values.shape[3]), values.dtype)
             place_on_huge_pages([self.keys[layer], self.values[layer]])
         self._grow_pools()
 

@@ -25,7 +25,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..caches.paged_kv_cache import PagedKVCache
+from ..caches.paged_kv_cache import DEFAULT_POOL_LAYOUT, POOL_LAYOUTS, PagedKVCache
 from ..caches.quantized_kv_cache import check_quantization
 from ..tools.progress import ProgressBar
 from .decode_stats import DecodeStats
@@ -76,6 +76,8 @@ class BatchedDecoder:
             (``PagedKVCache`` block pools + ``paged_decode_attention``; with ``attention="slot"``
             and no draft model).
         block_size: positions per block (paged layout).
+        pool_layout: how the paged layout stores its pools: ``"head-major"`` (default, the
+            faster one measured) or ``"token-major"`` (see ``PagedKVCache``).
         prefix_sharing: share the cached blocks of equal prompt prefixes (paged layout; models
             with full-attention layers only).
         max_kv_blocks: the block budget (paged layout, ``None``: unbounded). A request is
@@ -105,6 +107,7 @@ class BatchedDecoder:
         prefill_step_size: int = 2048,
         kv_layout: str = "slot",
         block_size: int = 16,
+        pool_layout: str = DEFAULT_POOL_LAYOUT,
         prefix_sharing: bool = True,
         max_kv_blocks: Optional[int] = None,
         max_cached_blocks: int = 256,
@@ -127,6 +130,10 @@ class BatchedDecoder:
                 )
             if block_size < 1:
                 raise ValueError(f"[BatchedDecoder] block_size must be >= 1, got {block_size}")
+            if pool_layout not in POOL_LAYOUTS:
+                raise ValueError(
+                    f"[BatchedDecoder] pool_layout must be one of {POOL_LAYOUTS}, got {pool_layout!r}"
+                )
             if max_kv_blocks is not None and max_kv_blocks < 1:
                 raise ValueError(
                     f"[BatchedDecoder] max_kv_blocks must be >= 1 or None, got {max_kv_blocks}"
@@ -168,6 +175,7 @@ class BatchedDecoder:
             self._paged = PagedServedModel(
                 model,
                 block_size=block_size,
+                pool_layout=pool_layout,
                 prefix_sharing=prefix_sharing,
                 max_blocks=max_kv_blocks,
                 max_cached_blocks=max_cached_blocks,

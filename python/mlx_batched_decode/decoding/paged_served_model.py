@@ -29,6 +29,7 @@ class PagedServedModel:
     Args:
         model: the mlx-lm model.
         block_size: positions per block.
+        pool_layout: how the pools are stored (``PagedKVCache``).
         prefix_sharing: reuse cached prompt blocks (not for models with sliding-window layers:
             their prefill keeps only the last window of keys, so the blocks it leaves are not
             whole prefixes).
@@ -42,6 +43,7 @@ class PagedServedModel:
         model: nn.Module,
         *,
         block_size: int,
+        pool_layout: str,
         prefix_sharing: bool,
         max_blocks: Optional[int],
         max_cached_blocks: int,
@@ -60,6 +62,7 @@ class PagedServedModel:
         self.cache = PagedKVCache(
             len(self.windows),
             block_size=block_size,
+            pool_layout=pool_layout,
             max_blocks=max_blocks,
             max_cached_blocks=max_cached_blocks,
             prefix_sharing=prefix_sharing,
