@@ -349,7 +349,9 @@ struct BdaQuantizedRows {
   const device uchar* value_biases;
   int64_t k_batch, k_head, k_seq;
   int64_t v_batch, v_head, v_seq;
-  QuantizedDecodeParams q;
+  // Read in place, not copied into the row source: a copy out of constant
+  // memory into a member is unverified MSL (the strict compile refuses it).
+  const constant QuantizedDecodeParams* q;
   int b, h;
 
   void seek(int request, int kv_head) {
@@ -361,13 +363,13 @@ struct BdaQuantizedRows {
   floatv row(const device uint* words, int64_t seq, const device uchar* scales, const device uchar* biases,
              int side, int t, int vi) const {
     const int e0 = vi * V;
-    const int group = e0 / q.group_size;
+    const int group = e0 / q->group_size;
     const float scale = bda_read_float(
-        scales, b * q.scales_stride[side][0] + h * q.scales_stride[side][1] + t * q.scales_stride[side][2] +
-            group * q.scales_stride[side][3], q.scales_dtype);
+        scales, b * q->scales_stride[side][0] + h * q->scales_stride[side][1] + t * q->scales_stride[side][2] +
+            group * q->scales_stride[side][3], q->scales_dtype);
     const float bias = bda_read_float(
-        biases, b * q.biases_stride[side][0] + h * q.biases_stride[side][1] + t * q.biases_stride[side][2] +
-            group * q.biases_stride[side][3], q.scales_dtype);
+        biases, b * q->biases_stride[side][0] + h * q->biases_stride[side][1] + t * q->biases_stride[side][2] +
+            group * q->biases_stride[side][3], q->scales_dtype);
     const uint word = words[t * seq + e0 / (32 / BITS)];
     float x[V];
     for (int u = 0; u < V; ++u) {
@@ -641,7 +643,7 @@ template <typename T, int D, bool GENERIC, int BITS>
     uint num_sg [[simdgroups_per_threadgroup]]) {
   const BdaQuantizedRows<BITS, bda_vector_width<D, GENERIC>()> kv{
       keys, values, key_scales, key_biases, value_scales, value_biases, p.k_batch_stride, p.k_head_stride,
-      p.k_seq_stride, p.v_batch_stride, p.v_head_stride, p.v_seq_stride, q, 0, 0};
+      p.k_seq_stride, p.v_batch_stride, p.v_head_stride, p.v_seq_stride, &q, 0, 0};
   bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, nullptr, out, partial_acc, partial_max,
                             partial_sum, p, nullptr, tgid, int(tgid.z), tid, sg, lane, num_sg);
 }

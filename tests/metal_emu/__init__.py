@@ -32,6 +32,11 @@ as C++20 by g++ and executed lane by lane:
   the tests' inputs; ``ragged_buffers.py`` gives a ragged call's requests the
   device buffers eval_gpu would bind, one per numpy buffer their views share.
 
-What it cannot show: that Apple's compiler accepts the source, GPU speed, and
-races between threadgroups (they run one after another).
+- ``strict/`` compiles the same text with clang against an MSL shim whose
+  address spaces are distinct (and lints it for what MSL forbids), the check
+  the emulation's erased address spaces cannot make.
+
+What it cannot show: that Apple's compiler accepts the source (the strict
+compile narrows that, it does not close it), GPU speed, and races between
+threadgroups (they run one after another).
 """

@@ -113,7 +113,7 @@ def test_matches_float64(lib, dtype, d, group_size, bits, path):
 
 # Bugs in the quantized row source: a wrong group's scale, a wrong element's bits, a missing bias.
 MUTATIONS = {
-    "scale_of_the_next_group": ("const int group = e0 / q.group_size;", "const int group = (e0 + V) / q.group_size;"),
+    "scale_of_the_next_group": ("const int group = e0 / q->group_size;", "const int group = (e0 + V) / q->group_size;"),
     "element_of_the_next_word_slot": ("(((e0 + u) % (32 / BITS)) * BITS)", "(((e0 + u + 1) % (32 / BITS)) * BITS)"),
     "bias_left_out": ("x[u] = scale * float(w) + bias;", "x[u] = scale * float(w) + 0.0f * bias;"),
 }
