@@ -56,6 +56,8 @@ def machine_lines(device: mx.Device) -> list[str]:
     info = mx.device_info(device)
     kind = "gpu" if device.type == mx.DeviceType.gpu else "cpu"
     name, arch = info.get("device_name", "?"), info.get("architecture", "?")
+    memory = info.get("memory_size", info.get("total_memory"))
+    about = f"{name}, {arch}" + (f", {memory / 2**30:.0f} GiB" if isinstance(memory, int) else "")
     if sys.platform == "darwin":
         system = f"macOS {platform.mac_ver()[0]} on {_mac_model()}"
     else:
@@ -65,7 +67,7 @@ def machine_lines(device: mx.Device) -> list[str]:
     except metadata.PackageNotFoundError:
         version = "not installed (run from a source tree)"
     return [
-        f"device: {kind} ({name}, {arch}); {system}",
+        f"device: {kind} ({about}); {system}",
         f"versions: mlx-batched-decode {version}, MLX {mx.__version__}, Python {platform.python_version()}",
     ]
 
