@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: timing, machine description, read bandwidth, cache sizes, JSON."""
+"""Shared benchmark helpers: machine description, cache sizes, tables, JSON; timing and the read
+bandwidth probe come from the package's tools (shared with the self-test)."""
 
 import json
 import math
@@ -6,39 +7,14 @@ import os
 import pathlib
 import platform
 import threading
-import time
 
 import numpy as np
 
 from mlx_batched_decode import _ext
+from mlx_batched_decode.tools.bandwidth import ReadBandwidth  # noqa: F401  benchmarks take them from here
+from mlx_batched_decode.tools.timing import interleaved_medians, median_seconds  # noqa: F401
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-
-
-def median_seconds(fn, warmup=3, repeats=15):
-    """Median wall time of fn() after warm-up; fn must block until done."""
-    return interleaved_medians([fn], warmup, repeats)[0]
-
-
-def interleaved_medians(fns, warmup=3, repeats=15):
-    """Median wall time of each fn, timed in turns (f0, f1, f2, f2, f1, f0, ...).
-
-    Memory speed on a shared machine drifts from second to second; timed in
-    turns, the functions see the same drift, so their ratios are fair. The
-    order flips every round, so each fn follows each other one equally often
-    (what ran before leaves caches and sleeping threads behind).
-    """
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times = [[] for _ in fns]
-    turns = list(zip(fns, times))
-    for round_ in range(repeats):
-        for fn, ts in turns if round_ % 2 == 0 else turns[::-1]:
-            start = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - start)
-    return [float(np.median(ts)) for ts in times]
 
 
 def llc_bytes():
@@ -51,30 +27,6 @@ def rotation_sets(bytes_per_set, factor=3):
     bytes cycled are at least `factor` times the last-level cache: each call then reads from
     memory, not from what the previous calls left in the cache."""
     return max(1, math.ceil(factor * llc_bytes() / bytes_per_set))
-
-
-class ReadBandwidth:
-    """Machine read bandwidth, read the way the CPU kernel reads: the extension's ReadProbe (the
-    kernel's worker pool, vector loads, four streams per thread) over 4x the last-level cache.
-
-    probe() reads it once (call it in turns with the code it is compared to);
-    gbs(seconds) converts a probe's time to GB/s. huge_pages picks the page size of its buffer
-    (compare K/V on huge pages with a probe on huge pages, 4 KiB with 4 KiB).
-    """
-
-    def __init__(self, huge_pages=True, nbytes=None):
-        self.reader = _ext.ReadProbe(nbytes or 4 * llc_bytes(), huge_pages)
-        self.nbytes = self.reader.nbytes
-        self.describe = {
-            "probe_bytes": self.nbytes, "probe_isa": self.reader.isa,
-            "probe_on_huge_pages": self.reader.huge_page_bytes / self.nbytes,
-        }
-
-    def probe(self):
-        self.reader.read()
-
-    def gbs(self, seconds):
-        return self.nbytes / seconds / 1e9
 
 
 class NumpyReadBandwidth:

@@ -1,0 +1,114 @@
+"""The grid of cases the self-test runs: every op x dtype x head dim x GQA group x variant.
+
+Dimension legend: B requests, H_q query heads, H_kv key/value heads, G = H_q / H_kv,
+L query rows per request, T padded length, D head dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+OPS = ("dense", "paged", "quantized", "ragged")
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+# Deliberately uneven: an empty request, one shorter than L, lengths off every block and
+# vector width, and one long enough that the GPU splits its keys (split-K); the full grid
+# cycles through longer ones too.
+QUICK_LENS = (1, 17, 0, 300, 97)
+FULL_LENS = (QUICK_LENS, (1500, 3, 61), (4099,))
+
+QUICK_HEAD_DIMS = (64, 80, 128)
+FULL_HEAD_DIMS = (1, 32, 64, 80, 96, 100, 128, 160, 192, 256, 512)
+QUICK_GROUPS = (1, 4)
+FULL_GROUPS = (1, 2, 4, 8)
+
+# (bits, group_size) cycled over the quantized cases; a pair whose group size does not divide
+# D is skipped for that D.
+QUANTIZATIONS = ((8, 64), (4, 32), (8, 128), (4, 64), (8, 32), (4, 128))
+BLOCK_SIZES = (16, 32, 8)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a case adds to plain one-row decode: L rows, a window, sinks, kv_starts, a ring."""
+
+    rows: int = 1
+    window: int | None = None
+    sinks: bool = False
+    starts: bool = False
+    ring: bool = False
+
+
+VARIANTS = (
+    Variant(),
+    Variant(rows=3, sinks=True),
+    Variant(window=7, starts=True),
+    Variant(rows=4, window=16, sinks=True, starts=True),
+    Variant(rows=2, starts=True, ring=True),
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call of one op, and what it is compared on."""
+
+    op: str
+    dtype: mx.Dtype
+    head_dim: int
+    group: int
+    lens: tuple[int, ...]
+    variant: Variant = Variant()
+    kv_heads: int = 2
+    block_size: int = 16
+    bits: int = 8
+    group_size: int = 64
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        """The case in one short line: what a report needs to rerun it."""
+        v = self.variant
+        parts = [f"D={self.head_dim}", f"G={self.group}", f"H_kv={self.kv_heads}", f"L={v.rows}"]
+        parts += [f"window={v.window}"] if v.window else []
+        parts += ["sinks"] if v.sinks else []
+        parts += ["starts"] if v.starts else []
+        parts += ["ring"] if v.ring else []
+        parts += [f"block={self.block_size}"] if self.op == "paged" else []
+        parts += [f"bits={self.bits} gs={self.group_size}"] if self.op == "quantized" else []
+        return " ".join(parts + ["lens=" + ",".join(map(str, self.lens))])
+
+
+def fit(op: str, variant: Variant) -> Variant:
+    """The variant as ``op`` takes it: only the dense op has a ring, the paged op no kv_starts."""
+    ring = variant.ring and op == "dense"
+    starts = variant.starts and op != "paged"
+    return Variant(variant.rows, variant.window, variant.sinks, starts, ring)
+
+
+def grid(quick: bool, ops: tuple[str, ...] = OPS) -> list[Case]:
+    """Every case of the quick or the full grid, for ``ops``.
+
+    Quick: each op x dtype x D in (64, 80, 128) x G in (1, 4) x every variant, on one set of
+    lengths (330 cases). Full: D from 1 to 512 (the specialised head dims and generic ones) x G
+    up to 8 x every variant, the cases taking the three sets of lengths in turn (about 2,500).
+    """
+    head_dims = QUICK_HEAD_DIMS if quick else FULL_HEAD_DIMS
+    groups = QUICK_GROUPS if quick else FULL_GROUPS
+    lens_sets = (QUICK_LENS,) if quick else FULL_LENS
+    cases = []
+    for op in ops:
+        combos = itertools.product(DTYPES, head_dims, groups, VARIANTS)
+        for i, (dtype, d, g, variant) in enumerate(combos):
+            lens = lens_sets[i % len(lens_sets)]
+            quantizations = [(b, gs) for b, gs in QUANTIZATIONS if d % gs == 0]
+            if op == "quantized" and not quantizations:
+                continue
+            bits, group_size = quantizations[i % len(quantizations)] if quantizations else (8, 64)
+            cases.append(Case(
+                op, dtype, d, g, lens, fit(op, variant),
+                block_size=BLOCK_SIZES[i % len(BLOCK_SIZES)], bits=bits, group_size=group_size, seed=i,
+            ))
+    return cases
