@@ -30,7 +30,6 @@ struct LaunchShape {
   int head_dim;              // D
   int window;                // effective_window(window, T): in [1, max(T, 1)]
   KernelDtype dtype;
-  int max_threads_per_group; // the pipeline's maxTotalThreadsPerThreadgroup
   bool has_kv_starts;
   bool has_sinks;
   bool has_ring_offset = false; // the dense layout's ring (MBD_RING_OFFSETS)
@@ -38,6 +37,16 @@ struct LaunchShape {
 
 struct Size3 {
   uint64_t x, y, z;
+};
+
+/**
+ * What the device lets each pipeline run: its MTL::ComputePipelineState's
+ * maxTotalThreadsPerThreadgroup, which depends on the pipeline's registers
+ * (MLX's D = 512 kernel asked 1024 threads where M1 allows it 832).
+ */
+struct ThreadLimits {
+  int main;   // the main pass's pipeline
+  int reduce; // the split-K reduce's; not read when the plan has one pass
 };
 
 /** Buffer indices; equal to the kernels' [[buffer(i)]]. */
@@ -121,14 +130,26 @@ inline std::string kernel_suffix(KernelDtype dtype, int head_dim) {
   return std::string(dtype_name(dtype)) + "_" + dim;
 }
 
+/**
+ * runtime_error naming the limit unless a pipeline's maxTotalThreadsPerThreadgroup
+ * allows one simdgroup, the least the kernels run on: a device limit, not a bad argument.
+ */
+inline void check_thread_limit(int limit, const std::string& kernel) {
+  if (limit < MBD_SIMD_WIDTH) {
+    throw std::runtime_error("[batched_decode_attention] the pipeline " + kernel + " allows " +
+                             std::to_string(limit) + " threads per threadgroup (maxTotalThreadsPerThreadgroup), " +
+                             "the kernels need at least " + std::to_string(MBD_SIMD_WIDTH));
+  }
+}
+
 /** Host name of the main (or reduce) kernel for a dtype and head dim. */
 inline std::string kernel_name(KernelDtype dtype, int head_dim, bool reduce) {
   return std::string(reduce ? "batched_decode_attention_reduce_" : "batched_decode_attention_") +
       kernel_suffix(dtype, head_dim);
 }
 
-/** The launch of both passes, from shapes and the device's thread limit. */
-inline LaunchPlan make_launch_plan(const LaunchShape& s) {
+/** The launch of both passes, from shapes and the pipelines' thread limits. */
+inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& limits) {
   const std::string prefix = "[batched_decode_attention] ";
   if (s.batch < 1 || s.num_q_heads < 1 || s.num_kv_heads < 1 || s.num_rows < 1 || s.seq_len < 0) {
     throw std::invalid_argument(prefix + "B, H_q, H_kv and L must be positive and T >= 0");
@@ -144,13 +165,9 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s) {
     throw std::invalid_argument(
         prefix + "window " + std::to_string(s.window) + " must be in [1, max(T, 1)] (effective_window)");
   }
-  if (s.max_threads_per_group < MBD_SIMD_WIDTH) {
-    throw std::invalid_argument(
-        prefix + "the pipeline allows " + std::to_string(s.max_threads_per_group) +
-        " threads per threadgroup, the kernel needs " + std::to_string(MBD_SIMD_WIDTH));
-  }
   LaunchPlan p{};
   p.kernel = kernel_name(s.dtype, s.head_dim, false);
+  check_thread_limit(limits.main, p.kernel);
   p.vector_width = vector_width(s.head_dim);
 
   // The kernel counts rows (and the grid its row chunks) in 32 bits.
@@ -165,8 +182,7 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s) {
   p.rows_per_group = int(std::min<int64_t>(
       {rows, MBD_MAX_ROWS, std::max(1, kLaneQueryFloats / lane_floats)}));
   p.row_chunks = ceil_div(rows, p.rows_per_group);
-  const int simdgroups =
-      std::min(MBD_MAX_SIMDGROUPS, s.max_threads_per_group / MBD_SIMD_WIDTH);
+  const int simdgroups = std::min(MBD_MAX_SIMDGROUPS, limits.main / MBD_SIMD_WIDTH);
   // A chunk's rows cover at most L consecutive positions, each reading at most window keys.
   p.keys_span = int(std::min<int64_t>(s.seq_len, int64_t(s.window) + s.num_rows - 1));
 
@@ -187,10 +203,11 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s) {
   p.group = {uint64_t(simdgroups) * MBD_SIMD_WIDTH, 1, 1};
   if (p.num_splits > 1) {
     p.reduce_kernel = kernel_name(s.dtype, s.head_dim, true);
+    check_thread_limit(limits.reduce, p.reduce_kernel);
     p.reduce_grid = {uint64_t(s.num_rows), uint64_t(s.num_q_heads), uint64_t(s.batch)};
     const int reduce_threads = std::min(
         ceil_div(s.head_dim, MBD_SIMD_WIDTH) * MBD_SIMD_WIDTH,
-        s.max_threads_per_group / MBD_SIMD_WIDTH * MBD_SIMD_WIDTH);
+        limits.reduce / MBD_SIMD_WIDTH * MBD_SIMD_WIDTH);
     p.reduce_group = {uint64_t(reduce_threads), 1, 1};
     p.partial_stats_elems = uint64_t(s.batch) * s.num_q_heads * s.num_rows * p.num_splits;
     p.partial_acc_elems = p.partial_stats_elems * s.head_dim;

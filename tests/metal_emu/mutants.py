@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable
+from pathlib import Path
 
-from .build import CACHE
+from .build import CACHE, HOST, HOST_HEADERS
 from .sources import kernel_sources
 
 # name: (original text, replacement)
@@ -148,3 +150,40 @@ def mutant_source(name: str, kernels: Iterable[str] | None = None) -> str:
     applied exactly once, compiling only the main kernels ``kernels`` (None: all), see ``sources``."""
     # A stable path: the build cache keys on it.
     return kernel_sources(CACHE / "mutants" / name, kernels, MUTATIONS[name])
+
+
+# Mutations of the launch plan (csrc/metal/launch_plan.h), the host side of the thread limits:
+# tests/kernels/metal/test_launch_plan_mutations.py requires test_launch_plan.py to fail on each.
+PLAN_HEADER = "metal/launch_plan.h"
+PLAN_MUTATIONS = {
+    # Threadgroups of 8 simdgroups whatever the pipeline allows: on Metal, a launch that runs nothing.
+    "thread_limit_ignored": (
+        "const int simdgroups = std::min(MBD_MAX_SIMDGROUPS, limits.main / MBD_SIMD_WIDTH);",
+        "const int simdgroups = MBD_MAX_SIMDGROUPS + 0 * limits.main;",
+    ),
+    # A pipeline of fewer threads than a simdgroup planned anyway.
+    "thread_limit_check_dropped": (
+        "  if (limit < MBD_SIMD_WIDTH) {",
+        "  if (limit < 0) {",
+    ),
+    "reduce_sized_by_the_main_pipeline": (
+        "limits.reduce / MBD_SIMD_WIDTH * MBD_SIMD_WIDTH);",
+        "limits.main / MBD_SIMD_WIDTH * MBD_SIMD_WIDTH);",
+    ),
+}
+
+
+def plan_mutant_host(name: str) -> Path:
+    """A copy of the host headers the harness compiles (csrc's HOST_HEADERS) with plan
+    mutation ``name`` applied exactly once, for ``build_library(..., host=...)``."""
+    directory = CACHE / "plan_mutants" / name
+    shutil.rmtree(directory, ignore_errors=True)
+    for header in HOST_HEADERS:
+        (directory / header).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(HOST / header, directory / header)
+    original, replacement = PLAN_MUTATIONS[name]
+    path = directory / PLAN_HEADER
+    text = path.read_text()
+    assert text.count(original) == 1, f"{original!r} no longer matches {PLAN_HEADER} exactly once"
+    path.write_text(text.replace(original, replacement))
+    return directory

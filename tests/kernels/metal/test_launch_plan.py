@@ -7,6 +7,8 @@ per request, T positions, D head dim."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 
 import pytest
 
@@ -19,9 +21,14 @@ FAST_DIMS = [32, 64, 80, 96, 112, 128, 160, 192, 256, 512]
 GENERIC_DIMS = {1: 32, 24: 32, 31: 32, 33: 64, 48: 64, 100: 128, 129: 256, 200: 256, 257: 512, 300: 512, 511: 512}
 
 
+# A harness library to test instead of the real one: test_launch_plan_mutations.py runs this
+# file on builds of mutated plans, each of which must fail it.
+PLAN_LIBRARY = "MBD_EMU_PLAN_LIBRARY"
+
+
 @pytest.fixture(scope="module")
 def lib() -> EmulatedLibrary:
-    return EmulatedLibrary(build_library())
+    return EmulatedLibrary(Path(os.environ[PLAN_LIBRARY]) if PLAN_LIBRARY in os.environ else build_library())
 
 
 @pytest.mark.parametrize("d", FAST_DIMS + sorted(GENERIC_DIMS))
@@ -89,6 +96,27 @@ def test_threadgroup_follows_the_pipeline_limit(lib, max_threads, group):
     assert split["reduce_group"] == (min(256, max_threads // 32 * 32), 1, 1)
 
 
+@pytest.mark.parametrize("max_threads", [32, 64, 96, 100, 200, 256, 832, 1024])
+@pytest.mark.parametrize("g,rows,d", [(1, 1, 64), (16, 1, 128), (4, 4, 128), (8, 2, 64), (8, 1, 512), (64, 2, 128),
+                                      (7, 3, 300)])
+def test_plan_never_asks_more_threads_than_the_limit(lib, max_threads, g, rows, d):
+    """Every shape runs on a pipeline of one simdgroup or more, never on more threads than the limit."""
+    for b, t in ((4, 64), (1, 4096)):
+        p = lib.plan(b, 2 * g, 2, t, d, "float32", max_threads, rows=rows)
+        assert 32 <= p["group"][0] <= max_threads and p["group"][0] % 32 == 0
+        if p["num_splits"] > 1:
+            assert 32 <= p["reduce_group"][0] <= max_threads
+
+
+@pytest.mark.parametrize("main,reduce", [(1024, 64), (64, 1024), (256, 32), (832, 832)])
+def test_reduce_follows_its_own_pipeline_limit(lib, main, reduce):
+    """The split-K reduce is a pipeline of its own, with its own maxTotalThreadsPerThreadgroup."""
+    p = lib.plan(1, 8, 2, 4096, 256, "float16", main, reduce_threads=reduce)
+    assert p["num_splits"] > 1
+    assert p["reduce_group"] == (min(256, reduce // 32 * 32), 1, 1)
+    assert p["group"] == (min(256, main // 32 * 32), 1, 1)
+
+
 def test_split_count_grows_as_the_batch_shrinks(lib):
     """About 128 threadgroups in all: 8 KV heads x B requests x splits."""
     splits = [lib.plan(b, 8, 8, 8192, 128, "float16")["num_splits"] for b in (1, 2, 4, 16)]
@@ -114,9 +142,18 @@ def test_invalid_shapes_raise(lib, args, options, message):
         lib.plan(*args, **options)
 
 
-def test_too_small_thread_limit_raises(lib):
-    with pytest.raises(HarnessError, match="allows 16 threads"):
-        lib.plan(1, 8, 2, 16, 128, "float16", 16)
+@pytest.mark.parametrize("limit", [0, 1, 16, 31])
+def test_too_small_thread_limit_raises(lib, limit):
+    """A pipeline that cannot run one simdgroup is an error naming the pipeline and its limit, never a launch."""
+    with pytest.raises(HarnessError, match=rf"pipeline batched_decode_attention_float16_128 allows {limit} threads"):
+        lib.plan(1, 8, 2, 16, 128, "float16", limit)
+
+
+def test_too_small_reduce_limit_raises_when_split(lib):
+    """The reduce pipeline's limit counts when the plan splits, and only then."""
+    with pytest.raises(HarnessError, match="pipeline batched_decode_attention_reduce_float16_128 allows 16 threads"):
+        lib.plan(1, 8, 2, 4096, 128, "float16", 1024, reduce_threads=16)
+    assert lib.plan(64, 8, 2, 16, 128, "float16", 1024, reduce_threads=16)["num_splits"] == 1
 
 
 def test_launcher_uses_the_plan():
@@ -124,8 +161,15 @@ def test_launcher_uses_the_plan():
     source = (REPO / "csrc" / "metal" / "decode_launch.cpp").read_text()
     ops = (REPO / "csrc" / "metal" / "eval_gpu.cpp").read_text()
     assert '#include "launch_plan.h"' in source
-    assert source.count("plan_for(shape, quantized, ragged)") == 2 and "make_launch_plan(shape)" in source
-    assert "make_ragged_launch_plan(shape)" in source and "ragged_group_grid(plan, " in source
+    assert "plan_for(shape, {MBD_SIMD_WIDTH, MBD_SIMD_WIDTH}, quantized, ragged)" in source
+    # Each pipeline's own limit sizes its pass; MLX's check stands behind the plan.
+    assert "plan_for(shape, {main_limit, main_limit}, quantized, ragged)" in source
+    assert "plan_for(shape, {main_limit, int(reduce->maxTotalThreadsPerThreadgroup())}, quantized, ragged)" in source
+    assert "const int main_limit = int(kernel->maxTotalThreadsPerThreadgroup());" in source
+    assert "mx::check_kernel_threadgroup_size(kernel, to_mtl(plan.group), plan.kernel);" in source
+    assert "mx::check_kernel_threadgroup_size(reduce, to_mtl(plan.reduce_group), plan.reduce_kernel);" in source
+    assert "make_launch_plan(shape, limits)" in source
+    assert "make_ragged_launch_plan(shape, limits)" in source and "ragged_group_grid(plan, " in source
     assert "ragged_vector_loads(shape, provisional, strides, offsets.q, ragged->layout)" in source
     assert "make_ragged_layout(keys, values, lengths, rows.H_kv," in ops
     assert "make_params(" in source
