@@ -66,7 +66,7 @@ enum BufferIndex : int {
 };
 
 struct LaunchPlan {
-  std::string kernel;        // main pass, one threadgroup per (split, KV head x row chunk, request)
+  std::string kernel;        // main pass, one threadgroup per (split, KV head x row group, request)
   std::string reduce_kernel; // split-K merge; empty when num_splits == 1
   Size3 grid;                // threadgroups of the main pass
   Size3 group;               // threads per threadgroup of the main pass
@@ -74,9 +74,11 @@ struct LaunchPlan {
   Size3 reduce_group;
   int num_splits;
   int split_len;
-  int keys_span;             // most keys one row chunk reads: min(T, window + L - 1)
-  int rows_per_group;        // function constant MBD_FC_ROWS of the main pass
-  int row_chunks;            // ceil(R / rows_per_group)
+  int keys_span;             // most keys one threadgroup reads: min(T, window + L - 1)
+  int rows_per_group;        // rows of a row chunk (one simdgroup's): function constant MBD_FC_ROWS
+  int row_chunks;            // ceil(R / rows_per_group), all of a (request, KV head)
+  int group_chunks;          // row chunks one threadgroup holds, each on group / 32 / group_chunks simdgroups
+  int row_groups;            // ceil(row_chunks / group_chunks): threadgroups per (request, KV head)
   int vector_width;          // elements per vector load (1: scalar loads), see vector_loads()
   uint64_t partial_acc_elems;   // float32 [B, H_q, L, splits, D]; 0 when single pass
   uint64_t partial_stats_elems; // float32 [B, H_q, L, splits] for max and for sum
@@ -148,7 +150,12 @@ inline std::string kernel_name(KernelDtype dtype, int head_dim, bool reduce) {
       kernel_suffix(dtype, head_dim);
 }
 
-/** The launch of both passes, from shapes and the pipelines' thread limits. */
+/**
+ * The launch of both passes, from shapes and the pipelines' thread limits. A
+ * request's R rows share each K/V row read when one threadgroup holds them
+ * all: one simdgroup per row chunk at least, so a limit below
+ * 32 x row_chunks splits them into row groups, which read the keys again.
+ */
 inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& limits) {
   const std::string prefix = "[batched_decode_attention] ";
   if (s.batch < 1 || s.num_q_heads < 1 || s.num_kv_heads < 1 || s.num_rows < 1 || s.seq_len < 0) {
@@ -179,15 +186,20 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& lim
   // Registers per lane and query row: the compiled head dim over 32 lanes, in whole loads.
   const int lane_floats =
       ceil_div(kernel_head_dim(s.head_dim), int64_t(MBD_SIMD_WIDTH) * p.vector_width) * p.vector_width;
-  p.rows_per_group = int(std::min<int64_t>(
-      {rows, MBD_MAX_ROWS, std::max(1, kLaneQueryFloats / lane_floats)}));
-  p.row_chunks = ceil_div(rows, p.rows_per_group);
+  // Chunks of equal rows (within one), as few as the registers allow.
+  const int64_t most_rows = std::min<int64_t>({rows, MBD_MAX_ROWS, std::max(1, kLaneQueryFloats / lane_floats)});
+  p.row_chunks = ceil_div(rows, most_rows);
+  p.rows_per_group = ceil_div(rows, p.row_chunks);
+  // One simdgroup per chunk at least: a smaller limit spreads the chunks over row groups.
   const int simdgroups = std::min(MBD_MAX_SIMDGROUPS, limits.main / MBD_SIMD_WIDTH);
-  // A chunk's rows cover at most L consecutive positions, each reading at most window keys.
+  p.row_groups = ceil_div(p.row_chunks, simdgroups);
+  p.group_chunks = ceil_div(p.row_chunks, p.row_groups);
+  const int streams = simdgroups / p.group_chunks;
+  // A threadgroup's rows cover at most L consecutive positions, each reading at most window keys.
   p.keys_span = int(std::min<int64_t>(s.seq_len, int64_t(s.window) + s.num_rows - 1));
 
-  // Split the keys only when (request, KV head, row chunk) items can't fill the GPU.
-  const int64_t items = int64_t(s.batch) * s.num_kv_heads * p.row_chunks;
+  // Split the keys only when (request, KV head, row group) items can't fill the GPU.
+  const int64_t items = int64_t(s.batch) * s.num_kv_heads * p.row_groups;
   int splits = 1;
   if (items < kTargetThreadgroups) {
     splits = int(std::max<int64_t>(1, std::min<int64_t>(
@@ -199,8 +211,8 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& lim
   // Recount so that no split starts at or past the span.
   p.num_splits = std::max(1, ceil_div(p.keys_span, p.split_len));
 
-  p.grid = {uint64_t(p.num_splits), uint64_t(s.num_kv_heads) * p.row_chunks, uint64_t(s.batch)};
-  p.group = {uint64_t(simdgroups) * MBD_SIMD_WIDTH, 1, 1};
+  p.grid = {uint64_t(p.num_splits), uint64_t(s.num_kv_heads) * p.row_groups, uint64_t(s.batch)};
+  p.group = {uint64_t(p.group_chunks) * streams * MBD_SIMD_WIDTH, 1, 1};
   if (p.num_splits > 1) {
     p.reduce_kernel = kernel_name(s.dtype, s.head_dim, true);
     check_thread_limit(limits.reduce, p.reduce_kernel);
@@ -331,7 +343,8 @@ inline BatchedDecodeParams make_params(
   p.gqa_factor = s.num_q_heads / s.num_kv_heads;
   p.num_rows = s.num_rows;
   p.head_dim = s.head_dim;
-  p.row_chunks = plan.row_chunks;
+  p.row_groups = plan.row_groups;
+  p.group_chunks = plan.group_chunks;
   p.seq_len = s.seq_len;
   p.window = s.window;
   p.num_splits = plan.num_splits;

@@ -54,6 +54,8 @@ class Plan(ctypes.Structure):
         ("keys_span", ctypes.c_int),
         ("rows_per_group", ctypes.c_int),
         ("row_chunks", ctypes.c_int),
+        ("group_chunks", ctypes.c_int),
+        ("row_groups", ctypes.c_int),
         ("vector_width", ctypes.c_int),
         ("partial_acc_elems", ctypes.c_ulonglong),
         ("partial_stats_elems", ctypes.c_ulonglong),

@@ -106,7 +106,7 @@ struct MbdPlan {
   char kernel[96];
   char reduce_kernel[96];
   unsigned long long grid[3], group[3], reduce_grid[3], reduce_group[3];
-  int num_splits, split_len, keys_span, rows_per_group, row_chunks, vector_width;
+  int num_splits, split_len, keys_span, rows_per_group, row_chunks, group_chunks, row_groups, vector_width;
   unsigned long long partial_acc_elems, partial_stats_elems;
 };
 
@@ -140,6 +140,8 @@ int mbd_emu_plan(const int shape[kShapeInts], MbdPlan* out, char* error, int err
     out->keys_span = p.keys_span;
     out->rows_per_group = p.rows_per_group;
     out->row_chunks = p.row_chunks;
+    out->group_chunks = p.group_chunks;
+    out->row_groups = p.row_groups;
     out->vector_width = p.vector_width;
     out->partial_acc_elems = p.partial_acc_elems;
     out->partial_stats_elems = p.partial_stats_elems;

@@ -51,7 +51,7 @@ def test_split_k_covers_the_sequence(lib, b, h_q, h_kv, t):
     # Every position falls in exactly one split and no split starts past T.
     assert p["num_splits"] * p["split_len"] >= t > (p["num_splits"] - 1) * p["split_len"]
     assert p["split_len"] >= 64 and p["num_splits"] <= 64
-    assert p["grid"] == (p["num_splits"], h_kv * p["row_chunks"], b)
+    assert p["grid"] == (p["num_splits"], h_kv * p["row_groups"], b)
     assert p["reduce_grid"] == (1, h_q, b) and p["reduce_group"] == (128, 1, 1)
     assert p["partial_stats_elems"] == b * h_q * p["num_splits"]
     assert p["partial_acc_elems"] == p["partial_stats_elems"] * 128
@@ -80,13 +80,16 @@ def test_single_pass_when_the_grid_is_full_or_short(lib, b, h_kv, t):
 
 @pytest.mark.parametrize(
     "g,rows,d,per_group,chunks",
-    [(1, 1, 96, 1, 1), (8, 1, 96, 8, 1), (9, 1, 96, 8, 2), (2, 4, 96, 8, 1), (3, 5, 96, 8, 2), (32, 1, 96, 8, 4),
-     (1, 8, 256, 8, 1), (4, 2, 512, 4, 2), (2, 2, 300, 4, 1), (1, 9, 200, 8, 2), (1, 3, 1, 3, 1)])
+    [(1, 1, 96, 1, 1), (8, 1, 96, 8, 1), (9, 1, 96, 5, 2), (2, 4, 96, 8, 1), (3, 5, 96, 8, 2), (32, 1, 96, 8, 4),
+     (16, 4, 128, 8, 8), (1, 8, 256, 8, 1), (4, 2, 512, 4, 2), (2, 2, 300, 4, 1), (1, 9, 200, 5, 2), (1, 3, 1, 3, 1)])
 def test_row_chunks(lib, g, rows, d, per_group, chunks):
-    """G * L query rows per (request, KV head), at most 8 per threadgroup (4 when D > 256)."""
+    """G * L query rows per (request, KV head) in chunks of equal rows (within one), at most 8 a
+    simdgroup (4 when D > 256); up to 8 chunks share one threadgroup, and so each K/V row it reads."""
     p = lib.plan(64, 2 * g, 2, 16, d, "bfloat16", rows=rows)
     assert p["rows_per_group"] == per_group and p["row_chunks"] == chunks
-    assert p["grid"][1] == 2 * chunks
+    assert p["rows_per_group"] * (chunks - 1) < g * rows <= p["rows_per_group"] * chunks
+    assert p["group_chunks"] == chunks and p["row_groups"] == 1
+    assert p["grid"][1] == 2 and p["group"][0] % (32 * chunks) == 0
 
 
 @pytest.mark.parametrize("max_threads,group", [(32, 32), (100, 96), (256, 256), (1024, 256)])
@@ -96,16 +99,38 @@ def test_threadgroup_follows_the_pipeline_limit(lib, max_threads, group):
     assert split["reduce_group"] == (min(256, max_threads // 32 * 32), 1, 1)
 
 
+@pytest.mark.parametrize(
+    "max_threads,chunks_per_group,streams",
+    [(1024, 2, 4), (256, 2, 4), (160, 2, 2), (96, 2, 1), (64, 2, 1), (63, 1, 1), (32, 1, 1)])
+def test_row_chunks_share_a_threadgroup_within_the_limit(lib, max_threads, chunks_per_group, streams):
+    """G = 16: two row chunks, one threadgroup of both (each on its own simdgroups) while the
+    limit allows two simdgroups; below, a row group each (which read the keys again)."""
+    p = lib.plan(4, 32, 2, 64, 128, "float16", max_threads)
+    assert p["row_chunks"] == 2 and p["group_chunks"] == chunks_per_group
+    assert p["row_groups"] == 2 // chunks_per_group and p["grid"][1] == 2 * p["row_groups"]
+    assert p["group"] == (32 * chunks_per_group * streams, 1, 1) and p["group"][0] <= max_threads
+
+
 @pytest.mark.parametrize("max_threads", [32, 64, 96, 100, 200, 256, 832, 1024])
 @pytest.mark.parametrize("g,rows,d", [(1, 1, 64), (16, 1, 128), (4, 4, 128), (8, 2, 64), (8, 1, 512), (64, 2, 128),
                                       (7, 3, 300)])
 def test_plan_never_asks_more_threads_than_the_limit(lib, max_threads, g, rows, d):
-    """Every shape runs on a pipeline of one simdgroup or more, never on more threads than the limit."""
+    """Every shape runs on a pipeline of one simdgroup or more: fewer rows share a threadgroup, never more
+    threads than the limit; the row groups cover every chunk, one chunk per simdgroup set."""
     for b, t in ((4, 64), (1, 4096)):
         p = lib.plan(b, 2 * g, 2, t, d, "float32", max_threads, rows=rows)
-        assert 32 <= p["group"][0] <= max_threads and p["group"][0] % 32 == 0
+        assert 32 <= p["group"][0] <= max_threads and p["group"][0] % (32 * p["group_chunks"]) == 0
+        assert p["group_chunks"] <= min(8, max_threads // 32)
+        assert p["group_chunks"] * (p["row_groups"] - 1) < p["row_chunks"] <= p["group_chunks"] * p["row_groups"]
         if p["num_splits"] > 1:
             assert 32 <= p["reduce_group"][0] <= max_threads
+
+
+def test_more_chunks_than_simdgroups_take_row_groups(lib):
+    """G x L = 128 rows at D = 128: 16 chunks of 8, over two threadgroups of 8 simdgroups."""
+    p = lib.plan(2, 128, 2, 64, 128, "float16", rows=2)
+    assert (p["row_chunks"], p["group_chunks"], p["row_groups"]) == (16, 8, 2)
+    assert p["grid"][1] == 4 and p["group"] == (256, 1, 1)
 
 
 @pytest.mark.parametrize("main,reduce", [(1024, 64), (64, 1024), (256, 32), (832, 832)])

@@ -1,7 +1,8 @@
 """What guards the thread limits is proven by mutants: copies of the launch plan
 (csrc/metal/launch_plan.h) that ignore a pipeline's maxTotalThreadsPerThreadgroup,
-skip the check of a limit below one simdgroup, or size the reduce by the main
-pipeline's limit, must each make the plan's unit tests (test_launch_plan.py) fail.
+skip the check of a limit below one simdgroup, size the reduce by the main
+pipeline's limit, or keep every row chunk in one threadgroup whatever the limit,
+must each make the plan's unit tests (test_launch_plan.py) fail.
 
 Each mutant builds the harness library (its launcher, which compiles the plan, and
 the harness's self-test kernel: the plan tests run no kernel) and runs those
