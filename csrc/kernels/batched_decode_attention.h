@@ -7,12 +7,14 @@
 // Row i of request b sits at p = len_b - L + i and attends the keys
 // max(start_b, p - window + 1) .. p; a sink logit joins its softmax denominator.
 //
-// One threadgroup per (split, KV head x row chunk, request). A row chunk holds
-// bda_rows of the R rows, ordered by i and then g: its rows then cover
-// consecutive i, whose key ranges join into one interval, the only keys it
-// reads. Each simdgroup walks its own keys; each lane owns a D-slice, so a K/V
-// row is one vector load per lane and serves every row of the chunk, each row
-// masked to its own range. Softmax state is float32.
+// One threadgroup per (split, KV head x row group, request). The R rows,
+// ordered by i and then g, are cut into row chunks of bda_rows (one
+// simdgroup's); a row group is the run of chunks one threadgroup holds, all R
+// unless the thread limit or 8 chunks cut them. Its rows cover consecutive i,
+// whose key ranges join into one interval, the only keys it reads, each once.
+// Each lane owns a D-slice, so a K/V row is one vector load per lane and
+// serves every row of the chunk, each row masked to its own range. Softmax
+// state is float32.
 //
 // Non-finite values follow the softmax of reference_attention: a NaN score
 // makes its row NaN, a -inf score weighs 0, and a row whose scores are all -inf
@@ -34,8 +36,8 @@ using mlx_batched_decode::QuantizedDecodeParams;
 using mlx_batched_decode::RaggedGroupParams;
 using mlx_batched_decode::RaggedRequest;
 
-// Query rows one threadgroup holds, fixed per pipeline so that the registers
-// of rows it never holds are compiled away.
+// Query rows one simdgroup holds (a row chunk), fixed per pipeline so that the
+// registers of rows it never holds are compiled away.
 constant int bda_rows [[function_constant(MBD_FC_ROWS)]];
 // Whether every Q, K and V row starts on a multiple of the vector width (the
 // launch plan's vector_loads): whole vector loads, else scalar ones.
@@ -397,6 +399,13 @@ struct BdaQuantizedRows {
 // table (p.ragged), else null. The threadgroup serves request b (tgid.z, plus
 // the group's first request in the ragged layout). Head dim D: the exact one of
 // a fast kernel, the largest a generic kernel takes (its own is p.head_dim).
+//
+// The threadgroup holds p.group_chunks row chunks of bda_rows rows; the
+// simdgroups split into one set per chunk, and the num_sg / p.group_chunks
+// simdgroups ("streams") of a set walk every streams-th key. With one chunk
+// each simdgroup loads its keys itself; with several, the threadgroup stages
+// each tile of MBD_TILE_KEYS keys in threadgroup memory (one K or V row per
+// simdgroup), so that every K/V row leaves device memory once for all rows.
 template <typename T, int D, bool GENERIC, typename Rows>
 inline void bda_attend(
     const device T* queries,
@@ -413,7 +422,6 @@ inline void bda_attend(
     const device RaggedRequest* requests,
     uint3 tgid,
     int b,
-    uint tid,
     uint sg,
     uint lane,
     uint num_sg) {
@@ -422,8 +430,10 @@ inline void bda_attend(
   constexpr int V = bda_vector_width<D, GENERIC>();
   constexpr int C = (D / V + MBD_SIMD_WIDTH - 1) / MBD_SIMD_WIDTH;
   constexpr int RB = MBD_MAX_ROWS;
+  constexpr int TK = MBD_TILE_KEYS;
   static_assert(D % V == 0, "a fast head dim is a multiple of its vector width");
-  static_assert(MBD_MAX_SIMDGROUPS * (D + 2 * RB) * 4 <= 32768, "threadgroup memory is at most 32 KB");
+  static_assert(2 * TK <= MBD_MAX_SIMDGROUPS, "a tile's K and V rows fit the merge's rows");
+  static_assert(MBD_MAX_SIMDGROUPS * (D + 2 * RB) * 4 + TK * 4 <= 32768, "threadgroup memory is at most 32 KB");
   typedef typename bda_vec<float, V>::type floatv;
   const int dim = GENERIC ? p.head_dim : D;
   const int nv = dim / V;
@@ -431,11 +441,28 @@ inline void bda_attend(
   const int chunk_rows = bda_rows;
   const bool vectors = bda_vector_loads;
   const int split = tgid.x;
-  const int kv_head = tgid.y / p.row_chunks;
-  const int first = (tgid.y % p.row_chunks) * chunk_rows;
-  const int rows = min(chunk_rows, p.gqa_factor * p.num_rows - first);
+  const int kv_head = tgid.y / p.row_groups;
+  const int total_rows = p.gqa_factor * p.num_rows;
+  const int group_first = (tgid.y % p.row_groups) * p.group_chunks * chunk_rows;
+  const int group_end = min(total_rows, group_first + p.group_chunks * chunk_rows);
+  const int streams = int(num_sg) / p.group_chunks;
+  const int chunk = int(sg) / streams;
+  const int stream = int(sg) % streams;
+  const int first = group_first + chunk * chunk_rows;
+  const int rows = clamp(total_rows - first, 0, chunk_rows);
 
   const BdaRequest request = bda_request(valid_lens, kv_starts, requests, p, b);
+
+  // The threadgroup's rows cover consecutive i: their key ranges join into one interval, the only keys read.
+  int keys_lo = p.seq_len;
+  int keys_hi = 0;
+  for (int i = group_first / p.gqa_factor; i <= (group_end - 1) / p.gqa_factor; ++i) {
+    const BdaRange range = bda_row_keys(request.len, request.start, p.num_rows, i, p.window);
+    if (range.lo < range.hi) {
+      keys_lo = min(keys_lo, range.lo);
+      keys_hi = max(keys_hi, range.hi);
+    }
+  }
 
   // Row r of the chunk is row i of query head h, from (i, g) index first + r.
   floatv q[RB][C];
@@ -446,8 +473,6 @@ inline void bda_attend(
   int row_i[RB];
   int row_lo[RB];
   int row_hi[RB];
-  int keys_lo = p.seq_len;
-  int keys_hi = 0;
   for (int r = 0; r < RB; ++r) {
     m[r] = -bda_inf;
     l[r] = 0.0f;
@@ -463,10 +488,6 @@ inline void bda_attend(
       const BdaRange range = bda_row_keys(request.len, request.start, p.num_rows, row_i[r], p.window);
       row_lo[r] = range.lo;
       row_hi[r] = range.hi;
-      if (range.lo < range.hi) {
-        keys_lo = min(keys_lo, range.lo);
-        keys_hi = max(keys_hi, range.hi);
-      }
       const device T* qrow = queries + b * p.q_batch_stride + row_head[r] * p.q_head_stride +
           row_i[r] * p.q_row_stride;
       for (int c = 0; c < C; ++c) {
@@ -478,59 +499,100 @@ inline void bda_attend(
     }
   }
 
-  // This split's share of the chunk's keys, counted from its first key (the plan
-  // sizes splits by the most keys a chunk can read, not by T).
+  // This split's share of the threadgroup's keys, counted from its first key
+  // (the plan sizes splits by the most keys a threadgroup can read, not by T).
   const int num_keys = max(keys_hi - keys_lo, 0);
   const int offset = min(split * p.split_len, num_keys);
   const int begin = keys_lo + offset;
   const int end = begin + min(p.split_len, num_keys - offset);
 
+  // Tiles of staged K rows (0 .. TK-1) and V rows (TK .. 2TK-1); after the keys, the merge's rows.
+  threadgroup floatv bda_shared[MBD_MAX_SIMDGROUPS][D / V];
+  threadgroup int bda_tile_valid[TK];
+  const bool staged = p.group_chunks > 1;
   kv.seek(b, kv_head);
   const int shift = bda_ring_shift(ring_offsets, p, b);
-  for (int t = begin + int(sg); t < end; t += int(num_sg)) {
-    // Uniform across the simdgroup (one t per simdgroup): skipping keeps simd_sum whole.
-    const BdaRow row = bda_row(kv_starts, p, b, t, shift);
-    if (!row.valid) {
-      continue;
-    }
-    floatv k[C];
-    floatv v[C];
-    for (int c = 0; c < C; ++c) {
-      const int vi = lane + MBD_SIMD_WIDTH * c;
-      k[c] = floatv(0.0f);
-      v[c] = floatv(0.0f);
-      if (vi < nv) {
-        k[c] = kv.key(row, t, vi);
-        v[c] = kv.value(row, t, vi);
-      }
-    }
-    for (int r = 0; r < RB; ++r) {
-      if (r < chunk_rows && r < rows) {
-        float s = 0.0f;
+  // Uniform across the threadgroup: every simdgroup reaches the tiles' barriers.
+  const int tile_len = staged ? TK : end - begin;
+  for (int tile = begin; tile < end; tile += tile_len) {
+    const int n = min(tile_len, end - tile);
+    if (staged) {
+      for (int j = int(sg); j < 2 * TK; j += int(num_sg)) {
+        const int key = j % TK;
+        if (key >= n) {
+          continue;
+        }
+        const BdaRow row = bda_row(kv_starts, p, b, tile + key, shift);
+        if (j < TK && lane == 0) {
+          bda_tile_valid[key] = row.valid ? 1 : 0;
+        }
+        if (!row.valid) {
+          continue;
+        }
         for (int c = 0; c < C; ++c) {
-          s += bda_dot(q[r][c], k[c]);
-        }
-        s = simd_sum(s);
-        // Summed by every lane, used only inside the row's range: a key outside
-        // it (NaN included) never touches the row.
-        if (t >= row_lo[r] && t < row_hi[r]) {
-          const float m_new = max(m[r], s);
-          const float factor = bda_weight(m[r], m_new);
-          const float prob = bda_weight(s, m_new);
-          l[r] = l[r] * factor + prob;
-          for (int c = 0; c < C; ++c) {
-            acc[r][c] = acc[r][c] * factor + prob * v[c];
+          const int vi = lane + MBD_SIMD_WIDTH * c;
+          if (vi < nv) {
+            bda_shared[j][vi] = j < TK ? kv.key(row, tile + key, vi) : kv.value(row, tile + key, vi);
           }
-          m[r] = m_new;
         }
       }
+      // The tile is whole before any simdgroup reads it.
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    for (int j = stream; j < n; j += streams) {
+      // Uniform across the simdgroup (one key per simdgroup): skipping keeps simd_sum whole.
+      const int t = tile + j;
+      const BdaRow row = staged ? BdaRow{bda_tile_valid[j] != 0, 0, 0} : bda_row(kv_starts, p, b, t, shift);
+      if (!row.valid) {
+        continue;
+      }
+      floatv k[C];
+      floatv v[C];
+      for (int c = 0; c < C; ++c) {
+        const int vi = lane + MBD_SIMD_WIDTH * c;
+        k[c] = floatv(0.0f);
+        v[c] = floatv(0.0f);
+        if (vi < nv) {
+          if (staged) {
+            k[c] = bda_shared[j][vi];
+            v[c] = bda_shared[TK + j][vi];
+          } else {
+            k[c] = kv.key(row, t, vi);
+            v[c] = kv.value(row, t, vi);
+          }
+        }
+      }
+      for (int r = 0; r < RB; ++r) {
+        if (r < chunk_rows && r < rows) {
+          float s = 0.0f;
+          for (int c = 0; c < C; ++c) {
+            s += bda_dot(q[r][c], k[c]);
+          }
+          s = simd_sum(s);
+          // Summed by every lane, used only inside the row's range: a key outside
+          // it (NaN included) never touches the row.
+          if (t >= row_lo[r] && t < row_hi[r]) {
+            const float m_new = max(m[r], s);
+            const float factor = bda_weight(m[r], m_new);
+            const float prob = bda_weight(s, m_new);
+            l[r] = l[r] * factor + prob;
+            for (int c = 0; c < C; ++c) {
+              acc[r][c] = acc[r][c] * factor + prob * v[c];
+            }
+            m[r] = m_new;
+          }
+        }
+      }
+    }
+    if (staged) {
+      // The next tile (or the merge) overwrites this one only once every simdgroup has read it.
+      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
 
-  // Merge the simdgroups' states, one row at a time to bound threadgroup memory.
+  // Merge the states of a chunk's simdgroups, one row at a time to bound threadgroup memory.
   threadgroup float sg_max[MBD_MAX_SIMDGROUPS][RB];
   threadgroup float sg_sum[MBD_MAX_SIMDGROUPS][RB];
-  threadgroup float sg_acc[MBD_MAX_SIMDGROUPS][D];
   if (lane == 0) {
     for (int r = 0; r < RB; ++r) {
       sg_max[sg][r] = m[r];
@@ -539,36 +601,40 @@ inline void bda_attend(
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
+  // The chunk's simdgroups are set .. set + streams - 1; the first chunk has the most rows.
+  const uint set = uint(chunk * streams);
+  const int group_rows = min(chunk_rows, group_end - group_first);
   for (int r = 0; r < RB; ++r) {
-    if (r < chunk_rows && r < rows) {
+    // Uniform across the threadgroup, so that every simdgroup reaches the barriers; rows past a chunk's only wait.
+    if (r < chunk_rows && r < group_rows) {
+      const bool mine = r < rows;
       float m_max = -bda_inf;
-      for (uint s = 0; s < num_sg; ++s) {
+      for (uint s = set; s < set + uint(streams); ++s) {
         m_max = max(m_max, sg_max[s][r]);
       }
       float sum = 0.0f;
-      for (uint s = 0; s < num_sg; ++s) {
+      for (uint s = set; s < set + uint(streams); ++s) {
         sum += sg_sum[s][r] * bda_weight(sg_max[s][r], m_max);
       }
       const float w = bda_weight(m[r], m_max);
       for (int c = 0; c < C; ++c) {
         const int vi = lane + MBD_SIMD_WIDTH * c;
         if (vi < nv) {
-          for (int e = 0; e < V; ++e) {
-            sg_acc[sg][vi * V + e] = bda_element(acc[r][c], e) * w;
-          }
+          bda_shared[sg][vi] = acc[r][c] * w;
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
       // Output rows are [B, H_q, L] in order; 64-bit, as B * H_q * L * D may pass 2^31.
       const int64_t out_row = (int64_t(b) * p.num_q_heads + row_head[r]) * p.num_rows + row_i[r];
-      const float sink = p.has_sinks ? sinks[row_head[r] * p.sinks_stride] : -bda_inf;
+      const float sink = p.has_sinks && mine ? sinks[row_head[r] * p.sinks_stride] : -bda_inf;
       const float norm = bda_normalizer(m_max, sum, sink);
       const bool has_keys = row_lo[r] < row_hi[r] &&
           (m_max != -bda_inf || bda_holds_key(kv_starts, p, b, row_lo[r], row_hi[r]));
-      for (uint d = tid; d < uint(dim); d += num_sg * MBD_SIMD_WIDTH) {
+      const uint set_lane = uint(stream) * MBD_SIMD_WIDTH + lane;
+      for (uint d = set_lane; mine && d < uint(dim); d += uint(streams) * MBD_SIMD_WIDTH) {
         float a = 0.0f;
-        for (uint s = 0; s < num_sg; ++s) {
-          a += sg_acc[s][d];
+        for (uint s = set; s < set + uint(streams); ++s) {
+          a += bda_element(bda_shared[s][d / V], d % V);
         }
         if (p.num_splits == 1) {
           out[out_row * dim + d] = has_keys ? T(a * norm) : T(0.0f);
@@ -576,11 +642,11 @@ inline void bda_attend(
           partial_acc[(out_row * p.num_splits + split) * dim + d] = a;
         }
       }
-      if (p.num_splits > 1 && tid == 0) {
+      if (mine && p.num_splits > 1 && set_lane == 0) {
         partial_max[out_row * p.num_splits + split] = m_max;
         partial_sum[out_row * p.num_splits + split] = sum;
       }
-      // sg_acc is rewritten by the next row.
+      // bda_shared is rewritten by the next row.
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
@@ -604,14 +670,13 @@ template <typename T, int D, bool GENERIC>
     constant BatchedDecodeParams& p [[buffer(10)]],
     const device int* ring_offsets [[buffer(11)]], // MBD_RING_OFFSETS
     uint3 tgid [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint num_sg [[simdgroups_per_threadgroup]]) {
   const BdaDenseRows<T, bda_vector_width<D, GENERIC>()> kv{
       keys, values, p.k_head_stride, p.v_head_stride, bda_vector_loads};
   bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, ring_offsets, out, partial_acc, partial_max,
-                            partial_sum, p, nullptr, tgid, int(tgid.z), tid, sg, lane, num_sg);
+                            partial_sum, p, nullptr, tgid, int(tgid.z), sg, lane, num_sg);
 }
 
 // The quantized kernel: keys and values as mx.quantize's (packed uint32
@@ -637,7 +702,6 @@ template <typename T, int D, bool GENERIC, int BITS>
     const device uchar* value_biases [[buffer(14)]],
     constant QuantizedDecodeParams& q [[buffer(15)]],
     uint3 tgid [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint num_sg [[simdgroups_per_threadgroup]]) {
@@ -645,7 +709,7 @@ template <typename T, int D, bool GENERIC, int BITS>
       keys, values, key_scales, key_biases, value_scales, value_biases, p.k_batch_stride, p.k_head_stride,
       p.k_seq_stride, p.v_batch_stride, p.v_head_stride, p.v_seq_stride, &q, 0, 0};
   bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, nullptr, out, partial_acc, partial_max,
-                            partial_sum, p, nullptr, tgid, int(tgid.z), tid, sg, lane, num_sg);
+                            partial_sum, p, nullptr, tgid, int(tgid.z), sg, lane, num_sg);
 }
 
 // The ragged kernel: request b's keys and values [H_kv, T_b, D] (any strides)
@@ -683,7 +747,6 @@ template <typename T, int D, bool GENERIC>
     const device T* slot14 [[buffer(27)]],
     const device T* slot15 [[buffer(28)]],
     uint3 tgid [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint num_sg [[simdgroups_per_threadgroup]]) {
@@ -692,7 +755,7 @@ template <typename T, int D, bool GENERIC>
         slot15}},
       requests, bda_vector_loads, nullptr, nullptr, 0, 0};
   bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, nullptr, out, partial_acc, partial_max,
-                            partial_sum, p, requests, tgid, group.first_request + int(tgid.z), tid, sg, lane, num_sg);
+                            partial_sum, p, requests, tgid, group.first_request + int(tgid.z), sg, lane, num_sg);
 }
 
 // Split-K second pass: merges the splits' (max, sum, acc) of one output row

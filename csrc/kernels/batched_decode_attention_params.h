@@ -8,8 +8,11 @@
 // Compile-time limits of the kernels, also read by the launch plan.
 #define MBD_SIMD_WIDTH 32
 #define MBD_MAX_SIMDGROUPS 8
-// Query rows one threadgroup holds at most; each K/V row it reads serves them all.
+// Query rows one simdgroup holds at most; each K/V row it reads serves them all.
 #define MBD_MAX_ROWS 8
+// Keys of a K/V tile in threadgroup memory, which the simdgroups of several
+// row chunks share: its K and V rows take the merge's MBD_MAX_SIMDGROUPS rows.
+#define MBD_TILE_KEYS (MBD_MAX_SIMDGROUPS / 2)
 // Function constant indices: the query rows one threadgroup holds (<= MBD_MAX_ROWS),
 // and whether Q/K/V rows allow whole vector loads (bool).
 #define MBD_FC_ROWS 0
@@ -40,7 +43,8 @@ struct BatchedDecodeParams {
   int gqa_factor;    // G = H_q / H_kv
   int num_rows;      // L
   int head_dim;      // D (the generic kernels' loop bound)
-  int row_chunks;    // ceil(G * L / rows per threadgroup)
+  int row_groups;    // threadgroups per (request, KV head), along the grid's y
+  int group_chunks;  // row chunks (of MBD_FC_ROWS rows) per threadgroup, one per simdgroup set
   int seq_len;       // T, the bound every position is clamped to
   int window;        // keys a row attends at most, in [1, max(T, 1)]
   int num_splits;    // sequence chunks of split-K; 1 = single pass

@@ -93,13 +93,14 @@ MTL::Size to_mtl(const Size3& s) {
   return MTL::Size(s.x, s.y, s.z);
 }
 
-// The plan of the main kernel the row source needs.
-LaunchPlan plan_for(const LaunchShape& shape, const QuantizedBuffers* quantized, const RaggedBuffers* ragged) {
+// The plan of the main kernel the row source needs, for the pipelines' thread limits.
+LaunchPlan plan_for(const LaunchShape& shape, const ThreadLimits& limits, const QuantizedBuffers* quantized,
+                    const RaggedBuffers* ragged) {
   if (ragged) {
-    return make_ragged_launch_plan(shape);
+    return make_ragged_launch_plan(shape, limits);
   }
-  return quantized ? make_quantized_launch_plan(shape, quantized->bits, quantized->group_size)
-                   : make_launch_plan(shape);
+  return quantized ? make_quantized_launch_plan(shape, limits, quantized->bits, quantized->group_size)
+                   : make_launch_plan(shape, limits);
 }
 
 // The ragged layout's table as a buffer the command buffer keeps until it completes.
@@ -131,7 +132,7 @@ void bind_group(mx::metal::CommandEncoder& encoder, const RaggedBuffers& ragged,
 
 } // namespace
 
-void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchShape shape,
+void launch_decode_attention(const mx::Stream& s, const char* primitive, const LaunchShape& shape,
                              const InputStrides& strides, const InputOffsets& offsets, const PagedLayout& paged,
                              float scale, const DecodeBuffers& in, mx::array& out,
                              const QuantizedBuffers* quantized, const RaggedBuffers* ragged) {
@@ -139,8 +140,9 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchS
     throw std::invalid_argument(std::string("[") + primitive + "] ring_offset is for the dense layout only");
   }
   mx::metal::Device& d = mx::metal::device(s.device);
-  // Names and function constants don't depend on the thread limit, which comes from the pipeline.
-  const LaunchPlan provisional = plan_for(shape, quantized, ragged);
+  // Names and function constants don't depend on the thread limits, which come from the pipelines:
+  // this plan assumes the least any pipeline allows.
+  const LaunchPlan provisional = plan_for(shape, {MBD_SIMD_WIDTH, MBD_SIMD_WIDTH}, quantized, ragged);
   int rows = provisional.rows_per_group;
   // Packed rows are read a word per lane: only the queries' vectors count for them.
   bool vectors = ragged      ? ragged_vector_loads(shape, provisional, strides, offsets.q, ragged->layout)
@@ -154,15 +156,18 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchS
   MTL::ComputePipelineState* kernel = pipeline(
       d, provisional.kernel, library,
       provisional.kernel + "_rows" + std::to_string(rows) + (vectors ? "_vector" : "_scalar"), constants);
-  shape.max_threads_per_group = int(kernel->maxTotalThreadsPerThreadgroup());
-  const LaunchPlan plan = plan_for(shape, quantized, ragged);
-  mx::check_kernel_threadgroup_size(kernel, to_mtl(plan.group), plan.kernel);
+  // Each pipeline's own limit (registers decide it): the plan sizes both passes' threadgroups from them.
+  const int main_limit = int(kernel->maxTotalThreadsPerThreadgroup());
+  LaunchPlan plan = plan_for(shape, {main_limit, main_limit}, quantized, ragged);
   const bool split = plan.num_splits > 1;
   // Both pipelines before any encoding: a failure leaves no half-encoded work.
   MTL::ComputePipelineState* reduce = split ? pipeline(d, plan.reduce_kernel, library) : nullptr;
   if (split) {
+    plan = plan_for(shape, {main_limit, int(reduce->maxTotalThreadsPerThreadgroup())}, quantized, ragged);
     mx::check_kernel_threadgroup_size(reduce, to_mtl(plan.reduce_group), plan.reduce_kernel);
   }
+  // A plan that ignored a limit would launch nothing and leave zeros: MLX's check raises instead.
+  mx::check_kernel_threadgroup_size(kernel, to_mtl(plan.group), plan.kernel);
   const BatchedDecodeParams params =
       ragged ? make_ragged_params(shape, plan, strides, scale) : make_params(shape, plan, strides, scale, paged);
 

@@ -56,11 +56,11 @@ struct RaggedBuffers {
   const mx::array* values;
 };
 
-// Plans (with the pipeline's thread limit), allocates out and encodes both
+// Plans (with the pipelines' thread limits), allocates out and encodes both
 // passes on s. primitive names the command buffer's label; quantized, if set,
 // selects the quantized main kernel and binds its buffers; ragged, if set, the
 // ragged main kernel, dispatched once per group of requests.
-void launch_decode_attention(const mx::Stream& s, const char* primitive, LaunchShape shape,
+void launch_decode_attention(const mx::Stream& s, const char* primitive, const LaunchShape& shape,
                              const InputStrides& strides, const InputOffsets& offsets, const PagedLayout& paged,
                              float scale, const DecodeBuffers& in, mx::array& out,
                              const QuantizedBuffers* quantized = nullptr, const RaggedBuffers* ragged = nullptr);

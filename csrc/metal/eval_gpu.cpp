@@ -71,9 +71,7 @@ void launch(DecodePrimitive& p, const std::vector<mx::array>& inputs, mx::array&
   const DecodeAttributes& at = p.attributes();
   const LaunchShape shape{
       q.shape(0), q.shape(1), rows.H_kv, q.shape(2), rows.T, q.shape(3), effective_window(at.window, rows.T),
-      kernel_dtype(q.dtype()),
-      /* max_threads_per_group, set by the launch */ MBD_SIMD_WIDTH, at.has_kv_starts, at.has_sinks,
-      ring != nullptr};
+      kernel_dtype(q.dtype()), at.has_kv_starts, at.has_sinks, ring != nullptr};
   const int batch = rows.axes[0], head = rows.axes[1], seq = rows.axes[2];
   // The ragged layout's K/V strides and offsets are each request's, in its table: 0 here.
   const auto kv = [&](const mx::array& a, int axis) { return per_request ? 0 : a.strides(axis); };

@@ -30,7 +30,6 @@ struct LaunchShape {
   int head_dim;              // D
   int window;                // effective_window(window, T): in [1, max(T, 1)]
   KernelDtype dtype;
-  int max_threads_per_group; // the pipeline's maxTotalThreadsPerThreadgroup
   bool has_kv_starts;
   bool has_sinks;
   bool has_ring_offset = false; // the dense layout's ring (MBD_RING_OFFSETS)
@@ -38,6 +37,16 @@ struct LaunchShape {
 
 struct Size3 {
   uint64_t x, y, z;
+};
+
+/**
+ * What the device lets each pipeline run: its MTL::ComputePipelineState's
+ * maxTotalThreadsPerThreadgroup, which depends on the pipeline's registers
+ * (MLX's D = 512 kernel asked 1024 threads where M1 allows it 832).
+ */
+struct ThreadLimits {
+  int main;   // the main pass's pipeline
+  int reduce; // the split-K reduce's; not read when the plan has one pass
 };
 
 /** Buffer indices; equal to the kernels' [[buffer(i)]]. */
@@ -57,7 +66,7 @@ enum BufferIndex : int {
 };
 
 struct LaunchPlan {
-  std::string kernel;        // main pass, one threadgroup per (split, KV head x row chunk, request)
+  std::string kernel;        // main pass, one threadgroup per (split, KV head x row group, request)
   std::string reduce_kernel; // split-K merge; empty when num_splits == 1
   Size3 grid;                // threadgroups of the main pass
   Size3 group;               // threads per threadgroup of the main pass
@@ -65,9 +74,11 @@ struct LaunchPlan {
   Size3 reduce_group;
   int num_splits;
   int split_len;
-  int keys_span;             // most keys one row chunk reads: min(T, window + L - 1)
-  int rows_per_group;        // function constant MBD_FC_ROWS of the main pass
-  int row_chunks;            // ceil(R / rows_per_group)
+  int keys_span;             // most keys one threadgroup reads: min(T, window + L - 1)
+  int rows_per_group;        // rows of a row chunk (one simdgroup's): function constant MBD_FC_ROWS
+  int row_chunks;            // ceil(R / rows_per_group), all of a (request, KV head)
+  int group_chunks;          // row chunks one threadgroup holds, each on group / 32 / group_chunks simdgroups
+  int row_groups;            // ceil(row_chunks / group_chunks): threadgroups per (request, KV head)
   int vector_width;          // elements per vector load (1: scalar loads), see vector_loads()
   uint64_t partial_acc_elems;   // float32 [B, H_q, L, splits, D]; 0 when single pass
   uint64_t partial_stats_elems; // float32 [B, H_q, L, splits] for max and for sum
@@ -121,14 +132,31 @@ inline std::string kernel_suffix(KernelDtype dtype, int head_dim) {
   return std::string(dtype_name(dtype)) + "_" + dim;
 }
 
+/**
+ * runtime_error naming the limit unless a pipeline's maxTotalThreadsPerThreadgroup
+ * allows one simdgroup, the least the kernels run on: a device limit, not a bad argument.
+ */
+inline void check_thread_limit(int limit, const std::string& kernel) {
+  if (limit < MBD_SIMD_WIDTH) {
+    throw std::runtime_error("[batched_decode_attention] the pipeline " + kernel + " allows " +
+                             std::to_string(limit) + " threads per threadgroup (maxTotalThreadsPerThreadgroup), " +
+                             "the kernels need at least " + std::to_string(MBD_SIMD_WIDTH));
+  }
+}
+
 /** Host name of the main (or reduce) kernel for a dtype and head dim. */
 inline std::string kernel_name(KernelDtype dtype, int head_dim, bool reduce) {
   return std::string(reduce ? "batched_decode_attention_reduce_" : "batched_decode_attention_") +
       kernel_suffix(dtype, head_dim);
 }
 
-/** The launch of both passes, from shapes and the device's thread limit. */
-inline LaunchPlan make_launch_plan(const LaunchShape& s) {
+/**
+ * The launch of both passes, from shapes and the pipelines' thread limits. A
+ * request's R rows share each K/V row read when one threadgroup holds them
+ * all: one simdgroup per row chunk at least, so a limit below
+ * 32 x row_chunks splits them into row groups, which read the keys again.
+ */
+inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& limits) {
   const std::string prefix = "[batched_decode_attention] ";
   if (s.batch < 1 || s.num_q_heads < 1 || s.num_kv_heads < 1 || s.num_rows < 1 || s.seq_len < 0) {
     throw std::invalid_argument(prefix + "B, H_q, H_kv and L must be positive and T >= 0");
@@ -144,13 +172,9 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s) {
     throw std::invalid_argument(
         prefix + "window " + std::to_string(s.window) + " must be in [1, max(T, 1)] (effective_window)");
   }
-  if (s.max_threads_per_group < MBD_SIMD_WIDTH) {
-    throw std::invalid_argument(
-        prefix + "the pipeline allows " + std::to_string(s.max_threads_per_group) +
-        " threads per threadgroup, the kernel needs " + std::to_string(MBD_SIMD_WIDTH));
-  }
   LaunchPlan p{};
   p.kernel = kernel_name(s.dtype, s.head_dim, false);
+  check_thread_limit(limits.main, p.kernel);
   p.vector_width = vector_width(s.head_dim);
 
   // The kernel counts rows (and the grid its row chunks) in 32 bits.
@@ -162,16 +186,20 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s) {
   // Registers per lane and query row: the compiled head dim over 32 lanes, in whole loads.
   const int lane_floats =
       ceil_div(kernel_head_dim(s.head_dim), int64_t(MBD_SIMD_WIDTH) * p.vector_width) * p.vector_width;
-  p.rows_per_group = int(std::min<int64_t>(
-      {rows, MBD_MAX_ROWS, std::max(1, kLaneQueryFloats / lane_floats)}));
-  p.row_chunks = ceil_div(rows, p.rows_per_group);
-  const int simdgroups =
-      std::min(MBD_MAX_SIMDGROUPS, s.max_threads_per_group / MBD_SIMD_WIDTH);
-  // A chunk's rows cover at most L consecutive positions, each reading at most window keys.
+  // Chunks of equal rows (within one), as few as the registers allow.
+  const int64_t most_rows = std::min<int64_t>({rows, MBD_MAX_ROWS, std::max(1, kLaneQueryFloats / lane_floats)});
+  p.row_chunks = ceil_div(rows, most_rows);
+  p.rows_per_group = ceil_div(rows, p.row_chunks);
+  // One simdgroup per chunk at least: a smaller limit spreads the chunks over row groups.
+  const int simdgroups = std::min(MBD_MAX_SIMDGROUPS, limits.main / MBD_SIMD_WIDTH);
+  p.row_groups = ceil_div(p.row_chunks, simdgroups);
+  p.group_chunks = ceil_div(p.row_chunks, p.row_groups);
+  const int streams = simdgroups / p.group_chunks;
+  // A threadgroup's rows cover at most L consecutive positions, each reading at most window keys.
   p.keys_span = int(std::min<int64_t>(s.seq_len, int64_t(s.window) + s.num_rows - 1));
 
-  // Split the keys only when (request, KV head, row chunk) items can't fill the GPU.
-  const int64_t items = int64_t(s.batch) * s.num_kv_heads * p.row_chunks;
+  // Split the keys only when (request, KV head, row group) items can't fill the GPU.
+  const int64_t items = int64_t(s.batch) * s.num_kv_heads * p.row_groups;
   int splits = 1;
   if (items < kTargetThreadgroups) {
     splits = int(std::max<int64_t>(1, std::min<int64_t>(
@@ -183,14 +211,15 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s) {
   // Recount so that no split starts at or past the span.
   p.num_splits = std::max(1, ceil_div(p.keys_span, p.split_len));
 
-  p.grid = {uint64_t(p.num_splits), uint64_t(s.num_kv_heads) * p.row_chunks, uint64_t(s.batch)};
-  p.group = {uint64_t(simdgroups) * MBD_SIMD_WIDTH, 1, 1};
+  p.grid = {uint64_t(p.num_splits), uint64_t(s.num_kv_heads) * p.row_groups, uint64_t(s.batch)};
+  p.group = {uint64_t(p.group_chunks) * streams * MBD_SIMD_WIDTH, 1, 1};
   if (p.num_splits > 1) {
     p.reduce_kernel = kernel_name(s.dtype, s.head_dim, true);
+    check_thread_limit(limits.reduce, p.reduce_kernel);
     p.reduce_grid = {uint64_t(s.num_rows), uint64_t(s.num_q_heads), uint64_t(s.batch)};
     const int reduce_threads = std::min(
         ceil_div(s.head_dim, MBD_SIMD_WIDTH) * MBD_SIMD_WIDTH,
-        s.max_threads_per_group / MBD_SIMD_WIDTH * MBD_SIMD_WIDTH);
+        limits.reduce / MBD_SIMD_WIDTH * MBD_SIMD_WIDTH);
     p.reduce_group = {uint64_t(reduce_threads), 1, 1};
     p.partial_stats_elems = uint64_t(s.batch) * s.num_q_heads * s.num_rows * p.num_splits;
     p.partial_acc_elems = p.partial_stats_elems * s.head_dim;
@@ -314,7 +343,8 @@ inline BatchedDecodeParams make_params(
   p.gqa_factor = s.num_q_heads / s.num_kv_heads;
   p.num_rows = s.num_rows;
   p.head_dim = s.head_dim;
-  p.row_chunks = plan.row_chunks;
+  p.row_groups = plan.row_groups;
+  p.group_chunks = plan.group_chunks;
   p.seq_len = s.seq_len;
   p.window = s.window;
   p.num_splits = plan.num_splits;

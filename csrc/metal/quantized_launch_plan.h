@@ -19,7 +19,8 @@ inline std::string quantized_kernel_name(KernelDtype dtype, int head_dim, int bi
 }
 
 /** The launch of both passes for packed keys and values of `bits` in groups of `group_size`. */
-inline LaunchPlan make_quantized_launch_plan(const LaunchShape& s, int bits, int group_size) {
+inline LaunchPlan make_quantized_launch_plan(const LaunchShape& s, const ThreadLimits& limits, int bits,
+                                             int group_size) {
   const std::string prefix = "[quantized_batched_decode_attention] ";
   if (bits != 4 && bits != 8) {
     throw std::invalid_argument(prefix + "bits must be 4 or 8");
@@ -30,7 +31,7 @@ inline LaunchPlan make_quantized_launch_plan(const LaunchShape& s, int bits, int
   if (s.head_dim % group_size != 0) {
     throw std::invalid_argument(prefix + "head dim " + std::to_string(s.head_dim) + " is not a multiple of group_size");
   }
-  LaunchPlan p = make_launch_plan(s);
+  LaunchPlan p = make_launch_plan(s, limits);
   p.kernel = quantized_kernel_name(s.dtype, s.head_dim, bits);
   return p;
 }

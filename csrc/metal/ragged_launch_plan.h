@@ -35,8 +35,8 @@ inline std::string ragged_kernel_name(KernelDtype dtype, int head_dim) {
 
 /** The launch of both passes; s.seq_len is the longest T_b. The grid's z is B: each group
  * dispatches its own requests (ragged_group_grid). */
-inline LaunchPlan make_ragged_launch_plan(const LaunchShape& s) {
-  LaunchPlan p = make_launch_plan(s);
+inline LaunchPlan make_ragged_launch_plan(const LaunchShape& s, const ThreadLimits& limits) {
+  LaunchPlan p = make_launch_plan(s, limits);
   p.kernel = ragged_kernel_name(s.dtype, s.head_dim);
   return p;
 }

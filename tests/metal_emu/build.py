@@ -37,7 +37,11 @@ _spec.loader.exec_module(metal_source)
 CXX = os.environ.get("CXX", "g++")
 # Kernel warnings fail the build; MSL attributes ([[buffer(i)]], ...) are unknown to g++.
 BASE_FLAGS = ["-std=c++20", "-fPIC", "-Wall", "-Wextra", "-Werror", "-Wno-attributes"]
-INCLUDES = [f"-I{HARNESS}", f"-I{HARNESS / 'include'}", f"-I{REPO / 'csrc'}"]
+HOST = REPO / "csrc"
+
+
+def _includes(host: Path) -> list[str]:
+    return [f"-I{HARNESS}", f"-I{HARNESS / 'include'}", f"-I{host}"]
 
 
 @dataclass(frozen=True)
@@ -72,35 +76,37 @@ def kernel_text(source: Path = KERNEL_DIR) -> str:
     return metal_source.flatten(sorted(source.glob("*.metal")) if source.is_dir() else [source])
 
 
-def _harness_files() -> list[Path]:
+# The host headers the harness compiles (the launch plan and what it includes), relative to HOST.
+HOST_HEADERS = ["metal/launch_plan.h", "metal/kernel_library.h", "metal/quantized_launch_plan.h",
+                "kernels/quantized_batched_decode_attention_params.h", "metal/ragged_launch_plan.h",
+                "kernels/ragged_decode_attention_params.h", "metal/backend_choice.h", "head_dims.h",
+                "kernels/batched_decode_attention_params.h"]
+
+
+def _harness_files(host: Path) -> list[Path]:
     return sorted([*HARNESS.glob("*.h"), *HARNESS.glob("*.cpp"), HARNESS / "include" / "metal_stdlib",
-                   REPO / "csrc" / "metal" / "launch_plan.h", REPO / "csrc" / "metal" / "kernel_library.h",
-                   REPO / "csrc" / "metal" / "quantized_launch_plan.h",
-                   REPO / "csrc" / "kernels" / "quantized_batched_decode_attention_params.h",
-                   REPO / "csrc" / "metal" / "ragged_launch_plan.h",
-                   REPO / "csrc" / "kernels" / "ragged_decode_attention_params.h",
-                   REPO / "csrc" / "metal" / "backend_choice.h", REPO / "csrc" / "head_dims.h",
-                   REPO / "csrc" / "kernels" / "batched_decode_attention_params.h"])
+                   *(host / name for name in HOST_HEADERS)])
 
 
-def _compile(flags: list[str], source: Path, obj: Path) -> None:
+def _compile(flags: list[str], source: Path, obj: Path, host: Path) -> None:
     """Compiles ``source`` to ``obj``, atomically: a concurrent build sees all or nothing."""
     partial = obj.with_name(f".{obj.name}.{os.getpid()}")
-    cmd = ["nice", CXX, *flags, *INCLUDES, "-c", str(source), "-o", str(partial)]
+    cmd = ["nice", CXX, *flags, *_includes(host), "-c", str(source), "-o", str(partial)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise BuildError(f"{' '.join(cmd)}\n{result.stderr}")
     os.replace(partial, obj)
 
 
-def build_library(source: Path | str = KERNEL_DIR, sanitize: str | None = None) -> Path:
+def build_library(source: Path | str = KERNEL_DIR, sanitize: str | None = None, host: Path = HOST) -> Path:
     """Path of the shared library running ``source`` on the CPU: a .metal file or
     a directory of them (flattened first, see ``kernel_text``), or an already
     flattened Metal text.
 
     ``sanitize``: None, "address" (AddressSanitizer + UBSan), "thread"
     (ThreadSanitizer) or "loads" (counts the bytes the kernels load, see
-    ``EmulatedLibrary.loads``).
+    ``EmulatedLibrary.loads``). ``host``: the directory of the host headers
+    (HOST_HEADERS: the launch plan), csrc/ or a copy with a mutant of the plan.
     """
     text = kernel_text(source) if isinstance(source, Path) else source
     translated = prepass(text)
@@ -109,7 +115,7 @@ def build_library(source: Path | str = KERNEL_DIR, sanitize: str | None = None) 
     version = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
     harness = hashlib.sha256()
     for part in [" ".join([*flags, *variant.kernel_flags, *variant.sources]), version] + [
-            f.read_text() for f in _harness_files()]:
+            f.read_text() for f in _harness_files(host)]:
         harness.update(part.encode())
     target = CACHE / hashlib.sha256((harness.hexdigest() + translated).encode()).hexdigest()[:24] / "libmetal_emu.so"
     if target.exists():
@@ -128,7 +134,7 @@ def build_library(source: Path | str = KERNEL_DIR, sanitize: str | None = None) 
             for name in ("runtime.cpp", "launcher.cpp", *variant.sources)]
         jobs = [([*flags, *variant.kernel_flags], *objects[0])] + [(flags, *job) for job in objects[1:]]
         with ThreadPoolExecutor(max_workers=2) as pool:
-            list(pool.map(lambda job: _compile(*job), [job for job in jobs if not job[2].exists()]))
+            list(pool.map(lambda job: _compile(*job, host), [job for job in jobs if not job[2].exists()]))
         library = work / target.name
         link = ["nice", CXX, "-shared", *flags, *(str(obj) for _, obj in objects), "-o", str(library)]
         result = subprocess.run(link, capture_output=True, text=True)

@@ -31,6 +31,8 @@ RING_OFFSETS = "requests"
 # Device copies start on this boundary (Metal buffers start at least this aligned), plus any shift.
 ALIGNMENT = 16
 MAX_BUFFERS = 31
+# The shape array of the harness's entry points (to_shape in launcher.cpp).
+SHAPE_INTS = 12
 
 
 class HarnessError(RuntimeError):
@@ -52,6 +54,8 @@ class Plan(ctypes.Structure):
         ("keys_span", ctypes.c_int),
         ("rows_per_group", ctypes.c_int),
         ("row_chunks", ctypes.c_int),
+        ("group_chunks", ctypes.c_int),
+        ("row_groups", ctypes.c_int),
         ("vector_width", ctypes.c_int),
         ("partial_acc_elems", ctypes.c_ulonglong),
         ("partial_stats_elems", ctypes.c_ulonglong),
@@ -106,20 +110,20 @@ class EmulatedLibrary:
 
     def __init__(self, path: Path):
         self._lib = ctypes.CDLL(str(path))
-        self._lib.mbd_emu_plan.argtypes = [ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(Plan),
+        self._lib.mbd_emu_plan.argtypes = [ctypes.POINTER(ctypes.c_int * SHAPE_INTS), ctypes.POINTER(Plan),
                                            ctypes.c_char_p, ctypes.c_int]
         self._lib.mbd_emu_poison.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_int]
         self._lib.mbd_emu_attention.argtypes = [
-            ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(ctypes.c_longlong * 12), *[ctypes.c_void_p] * 6,
+            ctypes.POINTER(ctypes.c_int * SHAPE_INTS), ctypes.POINTER(ctypes.c_longlong * 12), *[ctypes.c_void_p] * 6,
             ctypes.POINTER(ctypes.c_ulonglong * 6), ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_char_p,
             ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_ulonglong]
         self._lib.mbd_emu_quantized_attention.argtypes = [
-            ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(ctypes.c_longlong * 12),
+            ctypes.POINTER(ctypes.c_int * SHAPE_INTS), ctypes.POINTER(ctypes.c_longlong * 12),
             ctypes.POINTER(ctypes.c_longlong * 16), ctypes.POINTER(ctypes.c_int * 3), *[ctypes.c_void_p] * 6,
             ctypes.POINTER(ctypes.c_void_p * 4), ctypes.POINTER(ctypes.c_ulonglong * 10), ctypes.c_void_p,
             ctypes.c_float, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         self._lib.mbd_emu_ragged_attention.argtypes = [
-            ctypes.POINTER(ctypes.c_int * 11), ctypes.POINTER(ctypes.c_longlong * 12), *[ctypes.c_void_p] * 4,
+            ctypes.POINTER(ctypes.c_int * SHAPE_INTS), ctypes.POINTER(ctypes.c_longlong * 12), *[ctypes.c_void_p] * 4,
             ctypes.POINTER(ctypes.c_ulonglong * 4), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_char_p,
             ctypes.c_int]
@@ -152,18 +156,23 @@ class EmulatedLibrary:
             raise HarnessError(error.value.decode())
 
     @staticmethod
-    def _shape(b, h_q, h_kv, rows, t, d, window, dtype, max_threads, has_kv_starts, has_sinks):
-        return (ctypes.c_int * 11)(b, h_q, h_kv, rows, t, d, window, DTYPES[dtype], max_threads,
-                                   int(has_kv_starts), int(has_sinks))
+    def _shape(b, h_q, h_kv, rows, t, d, window, dtype, max_threads, has_kv_starts, has_sinks, reduce_threads=None):
+        """``max_threads``, ``reduce_threads`` (None: max_threads): the main and reduce pipelines' limits."""
+        reduce_threads = max_threads if reduce_threads is None else reduce_threads
+        return (ctypes.c_int * SHAPE_INTS)(b, h_q, h_kv, rows, t, d, window, DTYPES[dtype], max_threads,
+                                           reduce_threads, int(has_kv_starts), int(has_sinks))
 
     def plan(self, b: int, h_q: int, h_kv: int, t: int, d: int, dtype: str, max_threads: int = 1024, *,
-             rows: int = 1, window: int | None = None, effective: int | None = None) -> dict:
+             rows: int = 1, window: int | None = None, effective: int | None = None,
+             reduce_threads: int | None = None) -> dict:
         """The shared launch plan (csrc/metal/launch_plan.h) as a dict, for ``rows`` = L query
-        rows and ``window`` (None: none); ``effective`` passes the plan a window as is."""
+        rows and ``window`` (None: none); ``effective`` passes the plan a window as is;
+        ``max_threads`` and ``reduce_threads`` (None: the same) play the main and reduce
+        pipelines' maxTotalThreadsPerThreadgroup."""
         out, error = Plan(), ctypes.create_string_buffer(1024)
         window = effective_window(window, t) if effective is None else effective
-        if self._lib.mbd_emu_plan(self._shape(b, h_q, h_kv, rows, t, d, window, dtype, max_threads, False, False),
-                                  out, error, 1024):
+        if self._lib.mbd_emu_plan(self._shape(b, h_q, h_kv, rows, t, d, window, dtype, max_threads, False, False,
+                                              reduce_threads), out, error, 1024):
             raise HarnessError(error.value.decode())
         plan = {name: getattr(out, name) for name, _ in Plan._fields_}
         for name in ("kernel", "reduce_kernel"):
@@ -176,12 +185,12 @@ class EmulatedLibrary:
                   dtype: str, scale: float, *, kv_starts: np.ndarray | None = None, window: int | None = None,
                   sinks: np.ndarray | None = None, max_threads: int = 1024, backend: str = "fibers",
                   nan_margins: bool = True, unreadable: np.ndarray | None = None, shift: int = 0,
-                  ring_offset: np.ndarray | None = None) -> np.ndarray:
+                  ring_offset: np.ndarray | None = None, reduce_threads: int | None = None) -> np.ndarray:
         """Runs the emulated kernels; returns the [B, H_q, L, D] output in the storage dtype.
 
         ``kv_starts``, ``window`` (an int >= 1) and ``sinks``: the op's options,
-        None when absent; ``max_threads`` plays the pipeline's
-        maxTotalThreadsPerThreadgroup; ``backend`` is "fibers" (deterministic)
+        None when absent; ``max_threads`` and ``reduce_threads`` (None: the same) play the
+        main and reduce pipelines' maxTotalThreadsPerThreadgroup; ``backend`` is "fibers" (deterministic)
         or "threads"; ``nan_margins``, see ``_device_copy``; ``unreadable``, bool
         [B, T]: K/V positions (all heads) that AddressSanitizer reports any read
         of (an AddressSanitizer build only); ``shift``: the first elements of Q, K
@@ -219,7 +228,7 @@ class EmulatedLibrary:
             self._poison(copies[1:3], [keys, values], unreadable)
         status = self._lib.mbd_emu_attention(
             self._shape(b, h_q, h_kv, rows, t, d, effective_window(window, t), dtype, max_threads,
-                        kv_starts is not None, sinks is not None),
+                        kv_starts is not None, sinks is not None, reduce_threads),
             (ctypes.c_longlong * 12)(*(s // itemsize for s in strides), valid_lens.strides[0] // 4, *option_strides),
             *addresses, spans, out.ctypes.data, scale, BACKENDS[backend], error, 4096, None,
             None if ring is None else ring[1], 0 if ring is None else ring_offset.strides[0] // 4,

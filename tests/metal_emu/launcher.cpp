@@ -37,8 +37,16 @@ int report(const std::string& message, char* error, int error_len) {
   return 1;
 }
 
-LaunchShape to_shape(const int s[11]) {
-  return LaunchShape{s[0], s[1], s[2], s[3], s[4], s[5], s[6], KernelDtype(s[7]), s[8], s[9] != 0, s[10] != 0};
+// shape = {B, H_q, H_kv, L, T, D, window (effective), dtype (0 f16, 1 bf16, 2 f32),
+// main pipeline's thread limit, reduce pipeline's, has kv_starts, has sinks}.
+constexpr int kShapeInts = 12;
+
+LaunchShape to_shape(const int s[kShapeInts]) {
+  return LaunchShape{s[0], s[1], s[2], s[3], s[4], s[5], s[6], KernelDtype(s[7]), s[10] != 0, s[11] != 0};
+}
+
+ThreadLimits to_limits(const int s[kShapeInts]) {
+  return ThreadLimits{s[8], s[9]};
 }
 
 void copy3(const Size3& s, unsigned out[3]) {
@@ -98,7 +106,7 @@ struct MbdPlan {
   char kernel[96];
   char reduce_kernel[96];
   unsigned long long grid[3], group[3], reduce_grid[3], reduce_group[3];
-  int num_splits, split_len, keys_span, rows_per_group, row_chunks, vector_width;
+  int num_splits, split_len, keys_span, rows_per_group, row_chunks, group_chunks, row_groups, vector_width;
   unsigned long long partial_acc_elems, partial_stats_elems;
 };
 
@@ -113,11 +121,10 @@ struct MbdLaunch {
 
 static MbdLaunch last_launch;
 
-/** shape = {B, H_q, H_kv, L, T, D, window (effective), dtype (0 f16, 1 bf16, 2 f32),
- * max threads, has kv_starts, has sinks}. */
-int mbd_emu_plan(const int shape[11], MbdPlan* out, char* error, int error_len) {
+/** shape: see to_shape. */
+int mbd_emu_plan(const int shape[kShapeInts], MbdPlan* out, char* error, int error_len) {
   try {
-    const LaunchPlan p = make_launch_plan(to_shape(shape));
+    const LaunchPlan p = make_launch_plan(to_shape(shape), to_limits(shape));
     std::memset(out, 0, sizeof(*out));
     std::strncpy(out->kernel, p.kernel.c_str(), sizeof(out->kernel) - 1);
     std::strncpy(out->reduce_kernel, p.reduce_kernel.c_str(), sizeof(out->reduce_kernel) - 1);
@@ -133,6 +140,8 @@ int mbd_emu_plan(const int shape[11], MbdPlan* out, char* error, int error_len) 
     out->keys_span = p.keys_span;
     out->rows_per_group = p.rows_per_group;
     out->row_chunks = p.row_chunks;
+    out->group_chunks = p.group_chunks;
+    out->row_groups = p.row_groups;
     out->vector_width = p.vector_width;
     out->partial_acc_elems = p.partial_acc_elems;
     out->partial_stats_elems = p.partial_stats_elems;
@@ -241,7 +250,7 @@ static std::string run_passes(const LaunchShape& s, const LaunchPlan& plan, void
  * kernel takes them modulo T) of stride ring_stride and ring_bytes bytes,
  * bound at kRingOffsets as eval_gpu of BatchedDecodeAttention binds them.
  */
-int mbd_emu_attention(const int shape[11], const long long strides[12], const void* queries,
+int mbd_emu_attention(const int shape[kShapeInts], const long long strides[12], const void* queries,
                       const void* keys, const void* values, const int* valid_lens, const int* kv_starts,
                       const float* sinks, const unsigned long long input_bytes[6], void* out, float scale,
                       int backend, char* error, int error_len, const long long* paged, const int* ring_offsets,
@@ -253,7 +262,7 @@ int mbd_emu_attention(const int shape[11], const long long strides[12], const vo
       return 0;
     }
     s.has_ring_offset = ring_offsets != nullptr;
-    const LaunchPlan plan = make_launch_plan(s);
+    const LaunchPlan plan = make_launch_plan(s, to_limits(shape));
     const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
                           strides[6], strides[7], strides[8], strides[9], strides[10], strides[11], ring_stride};
     PagedLayout layout;
@@ -293,7 +302,7 @@ int mbd_emu_attention(const int shape[11], const long long strides[12], const vo
  * group_size, scales dtype (0 f16, 1 bf16, 2 f32)}; input_bytes: the 6 inputs
  * of mbd_emu_attention, then the 4 scale and bias arrays.
  */
-int mbd_emu_quantized_attention(const int shape[11], const long long strides[12],
+int mbd_emu_quantized_attention(const int shape[kShapeInts], const long long strides[12],
                                 const long long quantized_strides[16], const int quant[3], const void* queries,
                                 const void* keys, const void* values, const int* valid_lens, const int* kv_starts,
                                 const float* sinks, void* const scales_biases[4],
@@ -305,7 +314,7 @@ int mbd_emu_quantized_attention(const int shape[11], const long long strides[12]
     if (s.batch == 0) {
       return 0;
     }
-    const LaunchPlan plan = make_quantized_launch_plan(s, quant[0], quant[1]);
+    const LaunchPlan plan = make_quantized_launch_plan(s, to_limits(shape), quant[0], quant[1]);
     const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
                           strides[6], strides[7], strides[8], strides[9], strides[10], strides[11]};
     BatchedDecodeParams params = make_params(s, plan, st, scale);
@@ -345,7 +354,7 @@ int mbd_emu_quantized_attention(const int shape[11], const long long strides[12]
  * lengths: each request's T_b; input_bytes: those of queries, valid_lens,
  * kv_starts and sinks from their first element.
  */
-int mbd_emu_ragged_attention(const int shape[11], const long long strides[12], const void* queries,
+int mbd_emu_ragged_attention(const int shape[kShapeInts], const long long strides[12], const void* queries,
                              const int* valid_lens, const int* kv_starts, const float* sinks,
                              const unsigned long long input_bytes[4], void* const* arrays, void* const* buffers,
                              const unsigned long long* buffer_bytes, const long long* array_strides,
@@ -357,7 +366,7 @@ int mbd_emu_ragged_attention(const int shape[11], const long long strides[12], c
     ragged_arrays(s.batch, arrays, buffers, array_strides, keys, values);
     const RaggedLayout layout = make_ragged_layout(keys, values, std::vector<int>(lengths, lengths + s.batch),
                                                    s.num_kv_heads, dtype_size(s.dtype));
-    const LaunchPlan plan = make_ragged_launch_plan(s);
+    const LaunchPlan plan = make_ragged_launch_plan(s, to_limits(shape));
     const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
                           strides[6], strides[7], strides[8], strides[9], strides[10], strides[11]};
     BatchedDecodeParams params = make_ragged_params(s, plan, st, scale);

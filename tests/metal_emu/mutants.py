@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable
+from pathlib import Path
 
-from .build import CACHE
+from .build import CACHE, HOST, HOST_HEADERS
 from .sources import kernel_sources
 
 # name: (original text, replacement)
@@ -26,14 +28,36 @@ MUTATIONS = {
         "      sg_sum[sg][r] = l[r];\n",
         "      if (sg + 1 < num_sg) { sg_sum[sg][r] = l[r]; }\n",
     ),
+    # Tiles of keys that several row chunks share (cases of L = 3: 12 rows, two chunks): read
+    # before every simdgroup has staged its row, or the chunks' states merged together.
+    "tile_read_before_it_is_staged": (
+        "      // The tile is whole before any simdgroup reads it.\n      threadgroup_barrier(mem_flags::mem_threadgroup);\n",
+        "",
+    ),
+    # A tile restaged while other simdgroups still read it: a race the fiber schedule never
+    # shows, ThreadSanitizer's build does (tests/kernels/metal/test_metal_sanitizers.py).
+    "tile_overwritten_while_read": (
+        "    if (staged) {\n      // The next tile (or the merge) overwrites this one only once every simdgroup has read it.\n"
+        "      threadgroup_barrier(mem_flags::mem_threadgroup);\n    }\n",
+        "",
+    ),
+    "chunks_merged_across_simdgroup_sets": (
+        "const uint set = uint(chunk * streams);",
+        "const uint set = uint(0 * chunk * streams);",
+    ),
+    # The threadgroup's keys: those of its first i only.
+    "group_keys_of_the_first_position": (
+        "i <= (group_end - 1) / p.gqa_factor; ++i) {",
+        "i <= (group_end - 1) / p.gqa_factor && i == group_first / p.gqa_factor; ++i) {",
+    ),
     "simdgroup_returns_before_barrier": (
         "  threadgroup float sg_max[",
         "  if (sg == 1) { return; }\n  threadgroup float sg_max[",
     ),
-    # A window of T keys is no window.
+    # No window: every row (and so the threadgroup's interval) takes the keys from the start.
     "removed_window_bound": (
-        "row_i[r], p.window);",
-        "row_i[r], p.seq_len);",
+        "max(start, pos - window + 1)",
+        "start + 0 * window",
     ),
     "removed_kv_starts_clamp": (
         "clamp(kv_starts[b * p.starts_stride], 0, p.seq_len)",
@@ -72,8 +96,13 @@ MUTATIONS = {
         "if (page < 0) {",
     ),
     "paged_out_of_pool_row_read": (
-        "    if (!row.valid) {\n      continue;\n    }\n",
+        "      if (!row.valid) {\n        continue;\n      }\n",
         "",
+    ),
+    # The same when several row chunks share a staged tile: the row is staged and scored.
+    "paged_out_of_pool_row_staged": (
+        "bda_tile_valid[key] = row.valid ? 1 : 0;\n        }\n        if (!row.valid) {\n          continue;\n        }\n",
+        "bda_tile_valid[key] = 1;\n        }\n",
     ),
     # A row whose pages all lie outside the pool is 0/0 instead of zeros.
     "paged_row_without_keys_not_zeroed": (
@@ -128,7 +157,8 @@ MUTATIONS = {
 
 
 # Mutations of the paged row source, run on paged cases (tests/kernels/metal/test_metal_paged_mutations.py).
-PAGED_ONLY = {"paged_entry_above_pool_read", "paged_out_of_pool_row_read", "paged_row_without_keys_not_zeroed"}
+PAGED_ONLY = {"paged_entry_above_pool_read", "paged_out_of_pool_row_read", "paged_out_of_pool_row_staged",
+              "paged_row_without_keys_not_zeroed"}
 
 # Mutations of the ragged row source, run on ragged cases (tests/kernels/metal/test_metal_ragged_mutations.py).
 RAGGED_ONLY = {"ragged_length_unclamped", "ragged_values_in_the_keys_slot", "ragged_wrong_slot",
@@ -138,9 +168,10 @@ RAGGED_ONLY = {"ragged_length_unclamped", "ragged_values_in_the_keys_slot", "rag
 # (tests/kernels/metal/test_metal_ring_emulated.py).
 RING_ONLY = {"ring_modulo_dropped", "ring_modulo_of_t_plus_1", "ring_wrap_off_by_one"}
 
-# Caught by the AddressSanitizer + UBSan build only (tests/kernels/metal/test_metal_sanitizers.py):
-# on x86 a misaligned vector load reads the right bytes.
-SANITIZER_ONLY = {"vector_loads_whatever_the_alignment"}
+# Caught by the sanitizer builds only (tests/kernels/metal/test_metal_sanitizers.py): on x86 a
+# misaligned vector load reads the right bytes (UBSan), and a tile restaged early is a race
+# (ThreadSanitizer).
+SANITIZER_ONLY = {"vector_loads_whatever_the_alignment", "tile_overwritten_while_read"}
 
 
 def mutant_source(name: str, kernels: Iterable[str] | None = None) -> str:
@@ -148,3 +179,45 @@ def mutant_source(name: str, kernels: Iterable[str] | None = None) -> str:
     applied exactly once, compiling only the main kernels ``kernels`` (None: all), see ``sources``."""
     # A stable path: the build cache keys on it.
     return kernel_sources(CACHE / "mutants" / name, kernels, MUTATIONS[name])
+
+
+# Mutations of the launch plan (csrc/metal/launch_plan.h), the host side of the thread limits:
+# tests/kernels/metal/test_launch_plan_mutations.py requires test_launch_plan.py to fail on each.
+PLAN_HEADER = "metal/launch_plan.h"
+PLAN_MUTATIONS = {
+    # Threadgroups of 8 simdgroups whatever the pipeline allows: on Metal, a launch that runs nothing.
+    "thread_limit_ignored": (
+        "const int simdgroups = std::min(MBD_MAX_SIMDGROUPS, limits.main / MBD_SIMD_WIDTH);",
+        "const int simdgroups = MBD_MAX_SIMDGROUPS + 0 * limits.main;",
+    ),
+    # A pipeline of fewer threads than a simdgroup planned anyway.
+    "thread_limit_check_dropped": (
+        "  if (limit < MBD_SIMD_WIDTH) {",
+        "  if (limit < 0) {",
+    ),
+    "reduce_sized_by_the_main_pipeline": (
+        "limits.reduce / MBD_SIMD_WIDTH * MBD_SIMD_WIDTH);",
+        "limits.main / MBD_SIMD_WIDTH * MBD_SIMD_WIDTH);",
+    ),
+    # Every row chunk in one threadgroup, however few simdgroups the limit allows.
+    "row_groups_ignored": (
+        "p.row_groups = ceil_div(p.row_chunks, simdgroups);",
+        "p.row_groups = 1 + 0 * simdgroups;",
+    ),
+}
+
+
+def plan_mutant_host(name: str) -> Path:
+    """A copy of the host headers the harness compiles (csrc's HOST_HEADERS) with plan
+    mutation ``name`` applied exactly once, for ``build_library(..., host=...)``."""
+    directory = CACHE / "plan_mutants" / name
+    shutil.rmtree(directory, ignore_errors=True)
+    for header in HOST_HEADERS:
+        (directory / header).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(HOST / header, directory / header)
+    original, replacement = PLAN_MUTATIONS[name]
+    path = directory / PLAN_HEADER
+    text = path.read_text()
+    assert text.count(original) == 1, f"{original!r} no longer matches {PLAN_HEADER} exactly once"
+    path.write_text(text.replace(original, replacement))
+    return directory

@@ -124,9 +124,11 @@ def test_options(t, rows, starts, window, sinks):
     assert not got.transpose(0, 2, 1, 3)[empty_rows(lens, kv_starts, rows, t, window)].any()
 
 
-@pytest.mark.parametrize("d,g,rows", [(64, 12, 1), (64, 2, 5), (96, 3, 8), (512, 4, 2), (300, 1, 5)])
+@pytest.mark.parametrize("d,g,rows", [(64, 12, 1), (64, 2, 5), (96, 3, 8), (512, 4, 2), (300, 1, 5), (128, 16, 4),
+                                     (64, 33, 2)])
 def test_rows_over_several_chunks(d, g, rows):
-    """G * L rows above what one threadgroup holds spread over row chunks."""
+    """G * L rows above what one simdgroup holds spread over row chunks sharing staged K/V tiles
+    (66 rows: 9 chunks, two row groups)."""
     q, k, v, n, opts = inputs(4, 2, g, 200, d, mx.float16, [200, 3, 0, 120], rows=rows, starts=[4, 0, 0, 9],
                               window=50, sinks=True)
     check(q, k, v, n, **opts)

@@ -168,14 +168,19 @@ def test_threadgroup_sizes(lib, max_threads, path):
     run_and_compare(lib, case, max_threads=max_threads)
 
 
+@pytest.mark.parametrize("max_threads", [1024, 96, 32])
 @pytest.mark.parametrize("d,g,rows,chunks", [(64, 12, 1, 2), (64, 2, 5, 2), (96, 3, 8, 3), (512, 4, 2, 2),
-                                             (300, 1, 5, 2)])
-def test_rows_over_several_chunks(lib, d, g, rows, chunks):
-    """G * L rows above what one threadgroup holds (8; 4 for D > 256) spread over row chunks."""
+                                             (300, 1, 5, 2), (128, 16, 4, 8), (64, 33, 2, 9)])
+def test_rows_over_several_chunks(lib, d, g, rows, chunks, max_threads):
+    """G * L rows above what one simdgroup holds (8; 4 for D > 256) spread over row chunks, which
+    share one threadgroup's staged K/V tiles (up to 8 chunks), or, past the pipeline's limit or
+    8 chunks, row groups of their own."""
     case = make_case(np.random.default_rng(g * rows), "float16", d, 2, g, 50, [50, 3, 0, 20], rows=rows,
                      starts=[4, 0, 0, 9], window=12, sinks=True)
-    assert lib.plan(4, 2 * g, 2, 50, d, "float16", rows=rows, window=12)["row_chunks"] == chunks
-    run_and_compare(lib, case)
+    p = lib.plan(4, 2 * g, 2, 50, d, "float16", max_threads, rows=rows, window=12)
+    assert p["row_chunks"] == chunks
+    assert p["group_chunks"] == min(chunks, 8, max_threads // 32, -(-chunks // p["row_groups"]))
+    run_and_compare(lib, case, max_threads=max_threads)
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))

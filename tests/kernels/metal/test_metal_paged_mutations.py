@@ -21,12 +21,20 @@ KERNEL = "batched_decode_attention_float32_64"
 
 
 def passes(lib) -> bool:
+    """Both key loops: G x L = 2 rows (one chunk, each simdgroup loading its keys) and 12 rows
+    (two chunks sharing staged tiles)."""
     for block_size in (7, 16):
-        q, k, v, tables, lens, expected = paged_case("float32", 64, 1, 2, block_size, None, seed=block_size)
-        out = run(lib, "float32", q, k, v, tables, lens)
-        if not np.allclose(out, expected, atol=TOLERANCE["float32"], rtol=TOLERANCE["float32"]):
-            return False
+        for g, rows in ((1, 2), (4, 3)):
+            q, k, v, tables, lens, expected = paged_case("float32", 64, g, rows, block_size, None, seed=block_size)
+            out = run(lib, "float32", q, k, v, tables, lens)
+            if not np.allclose(out, expected, atol=TOLERANCE["float32"], rtol=TOLERANCE["float32"]):
+                return False
     return True
+
+
+def test_cases_take_both_key_loops():
+    lib = EmulatedLibrary(build_library())
+    assert [lib.plan(7, 2 * g, 2, 80, 64, "float32", rows=rows)["row_chunks"] for g, rows in ((1, 2), (4, 3))] == [1, 2]
 
 
 def test_unmutated_kernel_passes():

@@ -126,8 +126,11 @@ def test_read_outside_every_range_is_reported():
     assert "AddressSanitizer: use-after-poison" in result.stderr, result.stderr[-3000:]
 
 
-def test_missing_barrier_is_a_data_race():
-    library = build_library(mutant_source("removed_threadgroup_barrier", kernels()), sanitize="thread")
+@pytest.mark.parametrize("mutation", ["removed_threadgroup_barrier", "tile_overwritten_while_read"])
+def test_missing_barrier_is_a_data_race(mutation):
+    """The merge's barrier, and the one that keeps a staged tile until every simdgroup read it
+    (the small cases of G x L = 24 and 9 rows: row chunks sharing tiles)."""
+    library = build_library(mutant_source(mutation, kernels()), sanitize="thread")
     result = run_sanitized("thread", library)
     assert result.returncode != 0
     assert "WARNING: ThreadSanitizer: data race" in result.stderr, result.stderr[-3000:]
