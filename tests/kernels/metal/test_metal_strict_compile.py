@@ -111,6 +111,36 @@ def test_strict_compile_rejects(edits, message):
         strict_compile(source)
 
 
+# Vectors declared in threadgroup memory, written there and into a device
+# buffer, and read back into thread ones: MSL takes all of it.
+_VECTORS = """
+#include <metal_stdlib>
+using namespace metal;
+[[kernel]] void k(const device float2* in [[buffer(0)]], device float2* out [[buffer(1)]],
+                  uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float2 tile[4][32];
+  tile[0][lane] = in[lane];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float2 mine = float2(0.0f);
+  mine = tile[0][lane ^ 1];
+  out[lane] = mine;
+}
+"""
+
+
+@needs_clang
+def test_vectors_in_threadgroup_and_device_memory_are_tolerated():
+    """Their declaration, and the two assignments into threadgroup and device vectors."""
+    assert len(strict_compile(_VECTORS)) == 3
+
+
+@needs_clang
+def test_a_vector_written_into_constant_memory_stays_an_error():
+    source = _VECTORS.replace("device float2* out", "constant float2* out")
+    with pytest.raises(StrictCompileError, match=r"no viable overloaded '='"):
+        strict_compile(source)
+
+
 # MSL the shim must take: conversions of vectors out of device and constant
 # memory, composite and brace constructors, component access, threadgroup
 # scalars, metal_stdlib overloads, function constants and host names.

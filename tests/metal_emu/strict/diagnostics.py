@@ -9,6 +9,13 @@ address space on a member function), so it rejects such copies; those errors,
 and only those, are tolerated: every candidate clang names is an implicit
 member refused for its address space. Any user-declared member, a write into
 ``constant`` or a pointer or reference of the wrong address space stays an error.
+
+MSL's vector types are built in, so they too are declared and assigned in
+``threadgroup`` and ``device`` memory; the shim's ``vec`` is a class, whose
+default constructor and assignment clang takes in the default address space
+only. Those two errors are tolerated for the shim's ``vec`` alone: a
+``threadgroup`` declaration of vectors, and an assignment into ``device`` or
+``threadgroup`` vectors.
 """
 
 from __future__ import annotations
@@ -25,6 +32,19 @@ _IMPLICIT_COPY = re.compile(
 _IMPLICIT_ASSIGNMENT = re.compile(
     r"candidate function \(the implicit (?:copy|move) assignment operator\) not viable: "
     r"'this' object is in address space '(?:1|3)'"
+)
+_SHIM_NOTE = r"msl_strict\.h:\d+:\d+: note: "
+_VEC_DECLARATION = re.compile(
+    r"^no matching constructor for initialization of 'threadgroup \w+(?:\[\d+\])*' "
+    r"\(aka '__attribute__\(\(address_space\(3\)\)\) vec<\w+, \d>(?:\[\d+\])*'\)$"
+)
+_VEC_DEFAULT_CONSTRUCTOR = re.compile(
+    _SHIM_NOTE + r"candidate constructor ignored: cannot be used to construct an object in address space "
+    r"'__attribute__\(\(address_space\(3\)\)\)'"
+)
+_VEC_ASSIGNMENT = re.compile(
+    _SHIM_NOTE + r"candidate function not viable: 'this' object is in address space '(?:1|3)', "
+    r"but method expects object in generic address space"
 )
 _COPY_MESSAGES = re.compile(r"^(?:no matching constructor for initialization of '.*'|no viable overloaded '=')$")
 
@@ -48,6 +68,18 @@ class Diagnostic:
         copies = [n for n in candidates if _IMPLICIT_COPY.search(n) or _IMPLICIT_ASSIGNMENT.search(n)]
         return (self.kind == "error" and bool(_COPY_MESSAGES.match(self.message)) and bool(candidates)
                 and len(copies) == len(candidates) and any("address space" in n for n in candidates))
+
+
+    def is_vector_in_address_space(self) -> bool:
+        """Whether this is an error MSL would not raise for its built-in vectors: a
+        ``threadgroup`` declaration of the shim's ``vec``, or an assignment into a
+        ``device`` or ``threadgroup`` one (its only candidate the shim's own)."""
+        candidates = [n for n in self.notes if _CANDIDATE.search(n)]
+        if self.kind != "error" or not candidates:
+            return False
+        if _VEC_DECLARATION.match(self.message):
+            return any(_VEC_DEFAULT_CONSTRUCTOR.search(n) for n in candidates)
+        return self.message == "no viable overloaded '='" and all(_VEC_ASSIGNMENT.search(n) for n in candidates)
 
 
 def parse(output: str) -> list[Diagnostic]:

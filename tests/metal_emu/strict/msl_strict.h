@@ -120,11 +120,16 @@ struct total_components<A, R...> {
   static constexpr int value = components<A>::value + total_components<R...>::value;
 };
 
-// One constructor per address space of the source (no member function can be
-// qualified by one): a copy converts implicitly, another element type explicitly.
+// One constructor and one assignment per address space of the source (no
+// member function can be qualified by one): a copy converts implicitly,
+// another element type explicitly.
 #define MSL_VEC_FROM(space)                                                            \
   vec(const space vec& o) {                                                             \
     for (int i = 0; i < N; ++i) v[i] = o.v[i];                                          \
+  }                                                                                     \
+  vec& operator=(const space vec& o) {                                                  \
+    for (int i = 0; i < N; ++i) v[i] = o.v[i];                                          \
+    return *this;                                                                       \
   }                                                                                     \
   template <typename U, typename = typename enable_if<!is_same<U, T>::value>::type>     \
   explicit vec(const space vec<U, N>& o) {                                              \
