@@ -9,7 +9,10 @@ requests in three ways:
 - ``paged``: ``kv_layout="paged"``, block size 16, prefix sharing: the shared prefix is
   prefilled once, the other requests take its blocks and prefill only their own tokens, and
   ``paged_decode_attention`` reads the shared blocks through the block tables;
-- ``paged, no sharing``: ``kv_layout="paged", prefix_sharing=False``: the layout alone.
+- ``paged, no sharing``: ``kv_layout="paged", prefix_sharing=False``: the layout alone, its
+  pools stored head-major (the default);
+- ``paged, no sharing, token-major``: the same with ``pool_layout="token-major"`` (vLLM's and
+  SGLang's ``[N, block_size, H_kv, D]`` pools), to compare the two pool layouts.
 
 All prompts are ``--prefix`` shared tokens followed by ``--own`` tokens of their own. The B
 requests are added at once (all prefilled, ``prefill s``), then decoded together for
@@ -22,7 +25,7 @@ Every path's greedy tokens must equal the slot path's, token for token.
 
     python benchmarks/bench_paged_decode.py           # prefix 1024, own 32, B 16, 32 tokens
     python benchmarks/bench_paged_decode.py --quick   # prefix 64, own 16, B 16, 8 tokens, no
-                                                      # "paged, no sharing" row
+                                                      # "no sharing" rows
 """
 
 import argparse
@@ -42,6 +45,9 @@ PATHS = {
     "slot": dict(kv_layout="slot"),
     "paged": dict(kv_layout="paged", block_size=16, prefix_sharing=True),
     "paged, no sharing": dict(kv_layout="paged", block_size=16, prefix_sharing=False),
+    "paged, no sharing, token-major": dict(
+        kv_layout="paged", block_size=16, prefix_sharing=False, pool_layout="token-major"
+    ),
 }
 
 
@@ -85,7 +91,7 @@ def main():
     own_len = args.own or (16 if args.quick else 32)
     max_tokens = args.max_tokens or (8 if args.quick else 32)
     repeats = args.repeats or 1
-    paths = {n: o for n, o in PATHS.items() if not (args.quick and n == "paged, no sharing")}
+    paths = {n: o for n, o in PATHS.items() if not (args.quick and "no sharing" in n)}
     info = machine() | {"cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads()}
     print(f"{info['cpu']}, {info['cores']} cores, kernel {info['cpu_isa']}")
     print(f"model: {CONFIG}, float32, random weights (seed {args.seed})")
