@@ -95,9 +95,10 @@ def no_sharing(args, probe, lens, bs, head_major):
     valid = mx.array(lens.astype(np.int32))
     t = mx.array(tables)
     pools = pool_sets(blocks, bs, n_sets, seed=3, head_major=head_major)
-    # The dense caches hold the same rows as the pools: [B, H_kv, T, D] gathered from the tables.
-    gather = lambda p: mx.transpose(  # noqa: E731
-        mx.reshape(mx.take(p, mx.maximum(t, 0).flatten(), 0), (B, T, H_KV, D)), (0, 2, 1, 3))
+    # The dense caches hold the same rows as the pools: [B, H_kv, T, D] gathered from the tables,
+    # made contiguous (head-major), as a dense cache is.
+    gather = lambda p: mx.contiguous(mx.transpose(  # noqa: E731
+        mx.reshape(mx.take(p, mx.maximum(t, 0).flatten(), 0), (B, T, H_KV, D)), (0, 2, 1, 3)))
     dense = [on_huge_pages([gather(k), gather(v)]) for k, v in pools]
     paged_fn = lambda kv: mbd.paged_decode_attention(q, kv[0], kv[1], t, valid)  # noqa: E731
     dense_fn = lambda kv: mbd.batched_decode_attention(q, kv[0], kv[1], valid)  # noqa: E731

@@ -10,9 +10,9 @@ requests in three ways:
   prefilled once, the other requests take its blocks and prefill only their own tokens, and
   ``paged_decode_attention`` reads the shared blocks through the block tables;
 - ``paged, no sharing``: ``kv_layout="paged", prefix_sharing=False``: the layout alone, its
-  pools stored head-major (the default);
-- ``paged, no sharing, token-major``: the same with ``pool_layout="token-major"`` (vLLM's and
-  SGLang's ``[N, block_size, H_kv, D]`` pools), to compare the two pool layouts.
+  pools token-major (the default: vLLM's and SGLang's ``[N, block_size, H_kv, D]``);
+- ``paged, no sharing, head-major``: the same with ``pool_layout="head-major"``, to compare the
+  two pool layouts.
 
 All prompts are ``--prefix`` shared tokens followed by ``--own`` tokens of their own. The B
 requests are added at once (all prefilled, ``prefill s``), then decoded together for
@@ -45,8 +45,8 @@ PATHS = {
     "slot": dict(kv_layout="slot"),
     "paged": dict(kv_layout="paged", block_size=16, prefix_sharing=True),
     "paged, no sharing": dict(kv_layout="paged", block_size=16, prefix_sharing=False),
-    "paged, no sharing, token-major": dict(
-        kv_layout="paged", block_size=16, prefix_sharing=False, pool_layout="token-major"
+    "paged, no sharing, head-major": dict(
+        kv_layout="paged", block_size=16, prefix_sharing=False, pool_layout="head-major"
     ),
 }
 

@@ -13,10 +13,10 @@ first write into a block another request also holds (a partly filled block share
 the block is copied into a fresh one (copy on write). Blocks registered as prefixes are full, so
 no request writes them again.
 
-Pool layout: ``"head-major"`` stores each pool as ``[N, H_kv, block_size, D]`` (one head's rows of
-a block together) and hands the op a view with its axes 1 and 2 swapped, read in place;
-``"token-major"`` stores ``[N, block_size, H_kv, D]`` itself (vLLM's and SGLang's layout). Both
-hold the same bytes.
+Pool layout: ``"token-major"`` (the default) stores ``[N, block_size, H_kv, D]`` itself (vLLM's
+and SGLang's layout); ``"head-major"`` stores each pool as ``[N, H_kv, block_size, D]`` (one
+head's rows of a block together) and hands the op a view with its axes 1 and 2 swapped, read in
+place. Both hold the same bytes.
 
 Dimension legend: B = requests in the step, L = new tokens per request in the step,
 N = blocks in each pool, H_kv = key/value heads, P = positions, D = head dimension.
@@ -35,8 +35,10 @@ from .paged_context import PagedDecodeContext
 from .prefix_hashes import block_hashes
 
 
-POOL_LAYOUTS = ("head-major", "token-major")
-DEFAULT_POOL_LAYOUT = "head-major"
+POOL_LAYOUTS = ("token-major", "head-major")
+# Token-major measured faster end to end (bench_paged_decode: 0.92x against 0.89x the slot
+# layout's decode) and in the kernel at B = 8 (docs/benchmarks.md, "Paged caches").
+DEFAULT_POOL_LAYOUT = "token-major"
 
 
 class PagedKVCache:
@@ -49,7 +51,7 @@ class PagedKVCache:
         max_cached_blocks: the most unreferenced full prompt blocks kept for later requests.
         initial_blocks: blocks the pools start with; they double when full, up to the budget.
         prefix_sharing: whether ``admit`` reuses and ``register_prompt`` records cached blocks.
-        pool_layout: ``"head-major"`` or ``"token-major"``, how each pool is stored (module
+        pool_layout: ``"token-major"`` or ``"head-major"``, how each pool is stored (module
             docstring).
 
     Requests are named by any hashable id. Their lifecycle: ``admit`` (takes the cached prefix
