@@ -8,6 +8,7 @@
     [NB, BS, H_kv, D] array (token-major: one head's rows of a block lie H_kv * D elements apart,
     as vLLM's and SGLang's pools), and a view of a head-major [NB, H_kv, BS, D] buffer (the same
     shape, read in place, one head's rows of a block together; at block 1 the two are one layout).
+    Two more rows hand out the blocks of B = 8 in order: what the shuffling itself costs.
 (b) Shared prefix: 16 requests with a common 4,096-token prefix and 128 tokens of their own.
     The paged op with the prefix's blocks shared (the CPU kernel reads them once per step)
     against the same batch with a private copy of the prefix per request. Target: >= 5x.
@@ -73,11 +74,11 @@ def max_error(out, expected):
     return float(mx.max(mx.abs(out.astype(mx.float32) - expected.astype(mx.float32))).item())
 
 
-def shuffled_tables(lens, bs, seed):
-    """Block tables [B, max_pages] handing out the pool's blocks in a shuffled order, -1 past a
-    request's pages, and the number of blocks."""
+def block_tables(lens, bs, seed, shuffled=True):
+    """Block tables [B, max_pages] handing out the pool's blocks in a shuffled order (or in
+    order), -1 past a request's pages, and the number of blocks."""
     pages = [-(-int(n) // bs) for n in lens]
-    ids = np.random.default_rng(seed).permutation(sum(pages))
+    ids = np.random.default_rng(seed).permutation(sum(pages)) if shuffled else np.arange(sum(pages))
     tables = np.full((len(lens), max(pages)), -1, np.int32)
     start = 0
     for b, n in enumerate(pages):
@@ -86,9 +87,9 @@ def shuffled_tables(lens, bs, seed):
     return tables, sum(pages)
 
 
-def no_sharing(args, probe, lens, bs, head_major):
+def no_sharing(args, probe, lens, bs, head_major, shuffled=True):
     B = len(lens)
-    tables, blocks = shuffled_tables(lens, bs, seed=1)
+    tables, blocks = block_tables(lens, bs, seed=1, shuffled=shuffled)
     T = tables.shape[1] * bs
     n_sets = rotation_sets(kv_bytes(lens), args.factor)
     q = mx.random.normal((B, H_Q, 1, D), key=mx.random.key(2)).astype(DTYPE)
@@ -107,9 +108,10 @@ def no_sharing(args, probe, lens, bs, head_major):
     t_dense, t_paged, t_probe = interleaved_medians(
         [cycling(dense_fn, dense), cycling(paged_fn, pools), probe.probe], repeats=args.rounds)
     nbytes, bw = kv_bytes(lens), probe.gbs(t_probe)
-    pool = "head-major pool view" if head_major else "contiguous pool"
+    pool = ("head-major pool view" if head_major else "contiguous pool") + ("" if shuffled else ", ids in order")
     return {
         "case": f"no sharing, B={B}, block {bs}, {pool}", "B": B, "block_size": bs, "lens": lens.tolist(),
+        "shuffled": shuffled,
         "sets": n_sets, "bw_gbs": bw,
         "dense_ms": t_dense * 1e3, "paged_ms": t_paged * 1e3,
         "dense_gbs": nbytes / t_dense / 1e9, "paged_gbs": nbytes / t_paged / 1e9,
@@ -169,6 +171,8 @@ def main():
     # At block 1 a head-major pool is the contiguous one.
     layouts = [(16, False), (16, True), (1, False)]
     rows = [no_sharing(args, probe, lens, bs, head_major) for lens in batches for bs, head_major in layouts]
+    # The same pool with its block ids in order: what the shuffling itself costs.
+    rows += [no_sharing(args, probe, batches[0], bs, False, shuffled=False) for bs in (16, 1)]
     rows += [shared_prefix(args, probe, head_major) for head_major in (False, True)]
     print(describe_machine(info))
     print("(a) peer = dense op on [B, H_kv, T, D]; (b) peer = paged op with private prefix copies")

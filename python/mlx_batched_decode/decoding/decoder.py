@@ -76,8 +76,8 @@ class BatchedDecoder:
             (``PagedKVCache`` block pools + ``paged_decode_attention``; with ``attention="slot"``
             and no draft model).
         block_size: positions per block (paged layout).
-        pool_layout: how the paged layout stores its pools: ``"token-major"`` (default, the
-            faster one measured) or ``"head-major"`` (see ``PagedKVCache``).
+        pool_layout: how the paged layout stores its pools: ``"token-major"`` (default) or
+            ``"head-major"`` (see ``PagedKVCache``; the two measured alike).
         prefix_sharing: share the cached blocks of equal prompt prefixes (paged layout; models
             with full-attention layers only).
         max_kv_blocks: the block budget (paged layout, ``None``: unbounded). A request is
