@@ -1,9 +1,10 @@
 """A paged KV cache: per-layer pools of fixed-size blocks, block tables per request, shared prefixes.
 
 Every layer has a key pool and a value pool, which the op reads as ``[N, block_size, H_kv, D]``
-(``pools``); a request's tokens live in the blocks of its block table, and block ``i`` means the same logical positions in every
-layer, so one table per request serves all layers. Blocks come from a ``BlockAllocator``
-(reference counts, a budget, cached prefixes); the pools grow with the allocator's capacity.
+(``pools``); a request's tokens live in the blocks of its block table, and block ``i`` means the
+same logical positions in every layer, so one table per request serves all layers. Blocks come
+from a ``BlockAllocator`` (reference counts, a budget, cached prefixes); the pools grow with the
+allocator's capacity.
 
 Prefix sharing (as vLLM's automatic prefix caching): each full block of prompt tokens is named by
 a hash of its tokens chained with the hash of the blocks before it, so equal hashes mean equal

@@ -132,7 +132,8 @@ class BatchedDecoder:
                 raise ValueError(f"[BatchedDecoder] block_size must be >= 1, got {block_size}")
             if pool_layout not in POOL_LAYOUTS:
                 raise ValueError(
-                    f"[BatchedDecoder] pool_layout must be one of {POOL_LAYOUTS}, got {pool_layout!r}"
+                    f"[BatchedDecoder] pool_layout must be one of {POOL_LAYOUTS}, "
+                    f"got {pool_layout!r}"
                 )
             if max_kv_blocks is not None and max_kv_blocks < 1:
                 raise ValueError(
