@@ -118,12 +118,4 @@ class SlotKVCache(SlotBuffers):
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""
-        if length == 0:
-            return
-        # Materialise the piece first: a live view of the buffer would stop MLX from
-        # updating the buffer in place and turn this into a copy of the whole buffer.
-        keys = mx.contiguous(self.keys[src : src + 1, :, :length])
-        values = mx.contiguous(self.values[src : src + 1, :, :length])
-        mx.eval(keys, values)
-        self.keys[dst : dst + 1, :, :length] = keys
-        self.values[dst : dst + 1, :, :length] = values
+        self.copy_slot(src, dst, length)

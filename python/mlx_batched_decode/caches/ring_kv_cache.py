@@ -90,12 +90,4 @@ class RingSlotKVCache(SlotBuffers):
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s ring, which holds its first ``length`` positions' last ``R``,
         into slot ``dst``."""
-        held = min(length, self.size)
-        if held == 0:
-            return
-        # Materialised first, as SlotKVCache.move: a live view would make the write a copy.
-        keys = mx.contiguous(self.keys[src : src + 1, :, :held])
-        values = mx.contiguous(self.values[src : src + 1, :, :held])
-        mx.eval(keys, values)
-        self.keys[dst : dst + 1, :, :held] = keys
-        self.values[dst : dst + 1, :, :held] = values
+        self.copy_slot(src, dst, min(length, self.size))
