@@ -21,7 +21,10 @@ default 4 KiB pages. Each row records the fraction that sat on huge pages.
 (common.ReadBandwidth: the kernel's threads streaming 4x the last-level cache,
 on huge pages), the two timed in turns so that a shared machine's drifting
 memory speed hits both alike; "numpy bw" is the former numpy probe, timed in
-the same turns, for comparison only. With --rounds N every row is measured N
+the same turns, for comparison only. The two floors (common.Floors) come from
+the same turns: "mem floor" is the valid bytes over the read probe's rate,
+"fma floor" the call's 2 x H_q x D multiply-adds per key over the float32 FMA
+peak of the kernel variant's vectors, "of roofline" the larger over the time. With --rounds N every row is measured N
 times, on fresh buffers, the rounds spread over the run; each figure is the
 median of its N values (peers: first round).
 
@@ -42,7 +45,7 @@ import mlx_batched_decode as mbd
 from mlx_batched_decode import _ext
 
 from common import (
-    NumpyReadBandwidth, ReadBandwidth, describe_machine, interleaved_medians, llc_bytes, machine, median_seconds,
+    Floors, NumpyReadBandwidth, decode_multiply_adds, describe_machine, llc_bytes, machine, median_seconds,
     print_table, rotation_sets, save,
 )
 
@@ -103,6 +106,7 @@ class Case:
         self.scale = 1.0 / math.sqrt(D)
         self.row = {
             "heads": heads, "B": B, "lengths": kind, "dtype": dtype_name, "T": T, "valid_bytes": valid_bytes,
+            "multiply_adds": decode_multiply_adds(int(self.lens_np.sum()), H_q, D),
             "layers": layers, "bytes_rotated": valid_bytes * layers, "llc_bytes": llc_bytes(),
             "rotated_x_llc": valid_bytes * layers / llc_bytes(),
             "kv_on_huge_pages": on_huge / (buffer_bytes * layers),
@@ -118,13 +122,14 @@ class Case:
         return [mx.fast.scaled_dot_product_attention(self.q, k, v, scale=self.scale, mask=self.mask) for k, v in self.kv]
 
 
-def finish_row(case, seconds, bandwidth, peers, numpy_bandwidth=None):
-    """The row of a case timed at `seconds` per call of all layers, beside a probe of `bandwidth` GB/s
-    (and the numpy probe's `numpy_bandwidth`, when timed)."""
+def finish_row(case, seconds, floors, peers, numpy_bandwidth=None):
+    """The row of a case timed at `seconds` per call of all layers, against the floors of the probes
+    timed in the same turns (and the numpy probe's `numpy_bandwidth` GB/s, when timed)."""
     row, layers = case.row, len(case.kv)
     t = seconds / layers
     gbs = row["valid_bytes"] / t / 1e9
-    row.update(ms=t * 1e3, gbs=gbs, bw_gbs=bandwidth, frac_bw=gbs / bandwidth)
+    row.update(ms=t * 1e3, gbs=gbs, **floors.columns(t, row["valid_bytes"], row["multiply_adds"]))
+    row["frac_bw"] = gbs / row["bw_gbs"]
     if numpy_bandwidth is not None:
         row.update(numpy_bw_gbs=numpy_bandwidth, frac_numpy_bw=gbs / numpy_bandwidth)
 
@@ -154,20 +159,23 @@ def finish_row(case, seconds, bandwidth, peers, numpy_bandwidth=None):
     return row
 
 
-def bench_group(heads, B, kinds, dtype_name, layers, huge_pages, peers, probes, memory_gb):
-    """Rows for `kinds` of one shape, timed in turns with each other and the probes
-    (the native one, then optionally the numpy one)."""
+def bench_group(heads, B, kinds, dtype_name, layers, huge_pages, peers, floors, numpy_probe, memory_gb):
+    """Rows for `kinds` of one shape, timed in turns with each other, the floors' probes and the
+    numpy probe (when given)."""
     T = max(int(lengths(kind, B).max()) for kind in kinds)
     cases = [Case(heads, B, kind, dtype_name, layers, huge_pages, T, memory_gb / len(kinds)) for kind in kinds]
-    seconds = interleaved_medians([c.run_ours for c in cases] + [p.probe for p in probes])
-    bandwidths = [p.gbs(t) for p, t in zip(probes, seconds[len(cases):])] + [None]
-    rows = [finish_row(c, t, bandwidths[0], peers, bandwidths[1]) for c, t in zip(cases, seconds)]
+    seconds = floors.timed([c.run_ours for c in cases] + ([numpy_probe.probe] if numpy_probe else []))
+    numpy_bw = numpy_probe.gbs(seconds[-1]) if numpy_probe else None
+    rows = [finish_row(c, t, floors, peers, numpy_bw) for c, t in zip(cases, seconds)]
     if kinds == ("skewed", "matched"):
         rows[0]["vs_matched"] = rows[0]["ms"] / rows[1]["ms"]
     return rows
 
 
-MEASURED = ("ms", "gbs", "bw_gbs", "frac_bw", "numpy_bw_gbs", "frac_numpy_bw", "vs_matched", "max_err")
+MEASURED = (
+    "ms", "gbs", "bw_gbs", "frac_bw", "numpy_bw_gbs", "frac_numpy_bw", "vs_matched", "max_err", "fma_gs", "mem_floor_ms",
+    "arith_floor_ms", "frac_arith", "roofline",
+)
 
 
 def median_of_rounds(rounds):
@@ -183,7 +191,7 @@ def median_of_rounds(rounds):
             if f"{peer}_ms" in row:  # the speedup over the median time
                 row[f"vs_{peer}"] = row[f"{peer}_ms"] / row["ms"]
         if len(same_case) > 1:
-            row["rounds"] = {key: [r[key] for r in same_case] for key in ("frac_bw", "vs_matched") if key in row}
+            row["rounds"] = {key: [r[key] for r in same_case] for key in ("frac_bw", "roofline", "vs_matched") if key in row}
         merged.append(row)
     return merged
 
@@ -205,10 +213,11 @@ def main():
     mx.set_default_device(mx.cpu)
     if args.isa:
         _ext.set_cpu_isa(args.isa)
-    probe = ReadBandwidth()
-    probes = [probe] if args.no_numpy_probe else [probe, NumpyReadBandwidth()]
-    info = machine() | {"kv_pages": "small" if args.small_pages else "huge"} | probe.describe
-    print(f"{describe_machine(info)}; K/V on {info['kv_pages']} pages; probe {probe.nbytes / 2**20:.0f} MiB")
+    floors = Floors()
+    numpy_probe = None if args.no_numpy_probe else NumpyReadBandwidth()
+    info = machine() | {"kv_pages": "small" if args.small_pages else "huge"} | floors.describe
+    print(f"{describe_machine(info)}; K/V on {info['kv_pages']} pages")
+    print(floors.header(), flush=True)
 
     peers = {} if args.no_sdpa or args.quick else {"sdpa": True}
     torch = torch_sdpa()
@@ -231,7 +240,8 @@ def main():
     for r in range(rounds):
         for i, (h, B, kinds, d) in enumerate(groups):
             group_rows = bench_group(
-                HEADS[h], B, kinds, d, args.layers, not args.small_pages, peers if r == 0 else {}, probes, args.memory_gb
+                HEADS[h], B, kinds, d, args.layers, not args.small_pages, peers if r == 0 else {}, floors, numpy_probe,
+                args.memory_gb,
             )
             measured[i].append(group_rows)
             for row in group_rows:
@@ -239,6 +249,7 @@ def main():
                 print(
                     f"[round {r + 1}/{rounds}, {i + 1}/{len(groups)}] {h} B={B} {row['lengths']} {d}: {row['ms']:.3f} ms, "
                     f"{row['gbs']:.2f} GB/s, {row['frac_bw']:.0%} of {row['bw_gbs']:.1f} GB/s, "
+                    f"{row['roofline']:.0%} of roofline, "
                     f"{row['layers']} layers = {row['rotated_x_llc']:.1f}x LLC",
                     flush=True,
                 )
@@ -252,7 +263,7 @@ def main():
         [
             ("heads", "heads", "{}"), ("B", "B", "{}"), ("lengths", "lengths", "{}"), ("dtype", "dtype", "{}"),
             ("ms", "ms", "{:.3f}"), ("gbs", "GB/s", "{:.2f}"), ("bw_gbs", "bw GB/s", "{:.1f}"), ("frac_bw", "of bw", "{:.0%}"),
-            ("numpy_bw_gbs", "numpy bw", "{:.1f}"), ("frac_numpy_bw", "of numpy", "{:.0%}"),
+            ("numpy_bw_gbs", "numpy bw", "{:.1f}"), ("frac_numpy_bw", "of numpy", "{:.0%}"), *Floors.COLUMNS,
             ("rotated_x_llc", "x LLC", "{:.1f}"), ("vs_matched", "/ matched", "{:.2f}"),
             ("sdpa_ms", "sdpa ms", "{:.2f}"), ("sdpa_gbs", "sdpa GB/s", "{:.2f}"), ("vs_sdpa", "x sdpa", "{:.1f}"),
             ("torch_ms", "torch ms", "{:.2f}"), ("vs_torch", "x torch", "{:.1f}"), ("max_err", "max err", "{:.1e}"),

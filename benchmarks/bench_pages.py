@@ -7,7 +7,8 @@ Both copies and the probe are timed in turns in one process, so the machine's dr
 speed hits them alike. Each copy cycles through enough distinct K/V buffers that the bytes read
 per timing are at least 3x the last-level cache (common.rotation_sets). Per row: GB/s of valid K/V
 bytes and fraction of the probe's GB/s on each kind of page, their ratio, and the fraction of
-K/V bytes that the operating system actually put on huge pages; with --small-probe, also the
+K/V bytes that the operating system actually put on huge pages, and the two floors (memory and
+float32 FMA, common.Floors) with each page size's share of the roofline; with --small-probe, also the
 probe on 4 KiB pages (does streaming itself care about the page size on this machine?). Rows are
 the kernel benchmark's shapes (bench_kernel.py), each timed result checked against the reference.
 Targets: huge pages >= 85% of the probe, 4 KiB >= 75%, none above 100%.
@@ -24,24 +25,29 @@ import numpy as np
 from mlx_batched_decode import _ext
 
 from bench_kernel import DTYPES, HEADS, Case, finish_row
-from common import ReadBandwidth, describe_machine, interleaved_medians, machine, print_table, save
+from common import Floors, ReadBandwidth, describe_machine, machine, print_table, save
 
 SHAPES = ((8, "uniform"), (1, "long"))
-MEASURED = ("bw_gbs", "small_probe_gbs", "small_gbs", "small_frac_bw", "huge_gbs", "huge_frac_bw", "speedup")
+MEASURED = (
+    "bw_gbs", "small_probe_gbs", "small_gbs", "small_frac_bw", "huge_gbs", "huge_frac_bw", "speedup", "fma_gs",
+    "mem_floor_ms", "arith_floor_ms", "small_roofline", "huge_roofline",
+)
 
 
-def measure(heads, B, kind, dtype, probes, repeats, memory_gb):
-    """One row: 4 KiB and huge-page K/V of one shape timed in turns with the probes."""
+def measure(heads, B, kind, dtype, floors, small_probe, repeats, memory_gb):
+    """One row: 4 KiB and huge-page K/V of one shape timed in turns with the floors' probes (and the
+    probe on 4 KiB pages, when given)."""
     small, huge = (Case(HEADS[heads], B, kind, dtype, None, h, memory_gb=memory_gb / 2) for h in (False, True))
-    t_small, t_huge, *t_probes = interleaved_medians(
-        [small.run_ours, huge.run_ours] + [p.probe for p in probes], warmup=2, repeats=repeats
+    t_small, t_huge, *t_small_probe = floors.timed(
+        [small.run_ours, huge.run_ours] + ([small_probe.probe] if small_probe else []), warmup=2, repeats=repeats
     )
-    bandwidth = probes[0].gbs(t_probes[0])
-    a, b = finish_row(small, t_small, bandwidth, {}), finish_row(huge, t_huge, bandwidth, {})
+    a, b = finish_row(small, t_small, floors, {}), finish_row(huge, t_huge, floors, {})
     return {
-        "heads": heads, "B": B, "lengths": kind, "dtype": dtype, "bw_gbs": bandwidth,
-        "small_probe_gbs": probes[1].gbs(t_probes[1]) if len(probes) > 1 else None,
+        "heads": heads, "B": B, "lengths": kind, "dtype": dtype, "bw_gbs": b["bw_gbs"],
+        "small_probe_gbs": small_probe.gbs(t_small_probe[0]) if small_probe else None,
         "small_gbs": a["gbs"], "small_frac_bw": a["frac_bw"], "huge_gbs": b["gbs"], "huge_frac_bw": b["frac_bw"],
+        "fma_gs": b["fma_gs"], "mem_floor_ms": b["mem_floor_ms"], "arith_floor_ms": b["arith_floor_ms"],
+        "small_roofline": a["roofline"], "huge_roofline": b["roofline"],
         "speedup": t_small / t_huge, "kv_on_huge_pages": b["kv_on_huge_pages"], "small_kv_on_huge_pages":
         a["kv_on_huge_pages"], "layers": b["layers"], "bytes_rotated": b["bytes_rotated"],
         "rotated_x_llc": min(a["rotated_x_llc"], b["rotated_x_llc"]), "llc_bytes": b["llc_bytes"],
@@ -64,9 +70,11 @@ def main():
     mx.set_default_device(mx.cpu)
     if args.isa:
         _ext.set_cpu_isa(args.isa)
-    probes = [ReadBandwidth(huge_pages=True)] + ([ReadBandwidth(huge_pages=False)] if args.small_probe else [])
-    info = machine() | probes[0].describe | {"rounds": args.rounds, "repeats": args.repeats}
-    print(f"{describe_machine(info)}; probe {probes[0].nbytes / 2**20:.0f} MiB", flush=True)
+    floors = Floors(huge_pages=True)
+    small_probe = ReadBandwidth(huge_pages=False) if args.small_probe else None
+    info = machine() | floors.describe | {"rounds": args.rounds, "repeats": args.repeats}
+    print(describe_machine(info))
+    print(floors.header(), flush=True)
     cases = [
         (h, B, kind, d)
         for h in (["llama3-8b"] if args.quick else args.heads)
@@ -76,12 +84,13 @@ def main():
     measured = [[] for _ in cases]
     for r in range(args.rounds):
         for i, case in enumerate(cases):
-            row = measure(*case, probes, args.repeats, args.memory_gb)
+            row = measure(*case, floors, small_probe, args.repeats, args.memory_gb)
             measured[i].append(row)
             print(
                 f"[round {r + 1}/{args.rounds}, {i + 1}/{len(cases)}] {row['heads']} B={row['B']} {row['lengths']} "
                 f"{row['dtype']}: 4 KiB {row['small_frac_bw']:.0%}, huge {row['huge_frac_bw']:.0%} of "
-                f"{row['bw_gbs']:.1f} GB/s ({row['layers']} layers, {row['rotated_x_llc']:.1f}x LLC)",
+                f"{row['bw_gbs']:.1f} GB/s; of roofline {row['small_roofline']:.0%} and {row['huge_roofline']:.0%} "
+                f"({row['layers']} layers, {row['rotated_x_llc']:.1f}x LLC)",
                 flush=True,
             )
     rows = []
@@ -91,7 +100,9 @@ def main():
             if row.get(key) is not None:
                 row[key] = float(np.median([r[key] for r in same_case]))
         if len(same_case) > 1:
-            row["rounds"] = {key: [r[key] for r in same_case] for key in ("small_frac_bw", "huge_frac_bw")}
+            row["rounds"] = {
+                key: [r[key] for r in same_case] for key in ("small_frac_bw", "huge_frac_bw", "small_roofline", "huge_roofline")
+            }
         rows.append(row)
 
     print()
@@ -103,7 +114,9 @@ def main():
             ("bw_gbs", "probe GB/s", "{:.1f}"), ("small_probe_gbs", "4 KiB probe", "{:.1f}"),
             ("small_gbs", "4 KiB GB/s", "{:.2f}"), ("small_frac_bw", "of probe", "{:.0%}"),
             ("huge_gbs", "huge GB/s", "{:.2f}"), ("huge_frac_bw", "of probe", "{:.0%}"),
-            ("speedup", "huge / 4 KiB", "{:.2f}x"), ("kv_on_huge_pages", "on huge", "{:.0%}"),
+            ("speedup", "huge / 4 KiB", "{:.2f}x"), ("mem_floor_ms", "mem floor", "{:.3f}"),
+            ("arith_floor_ms", "fma floor", "{:.3f}"), ("small_roofline", "4 KiB roofline", "{:.0%}"),
+            ("huge_roofline", "huge roofline", "{:.0%}"), ("kv_on_huge_pages", "on huge", "{:.0%}"),
             ("rotated_x_llc", "x LLC", "{:.1f}"),
         ],
     )

@@ -11,7 +11,10 @@ Cases (Llama-3-8B heads: 32 query heads, 8 KV heads, D = 128, float16 queries):
 Per row: median ms per layer call; GB/s of the valid cache bytes each kernel reads
 (sum_b len_b * H_kv * 2 * bytes per row: D * 2 for float16; D * bits / 8 packed plus
 2 * D / 64 scales and biases of 2 bytes each when quantized); that as a fraction of the
-machine's read bandwidth, probed in turns with the kernels in the same seconds; the speedup
+machine's read bandwidth, probed in turns with the kernels in the same seconds; the two floors
+(common.Floors: those bytes over the read rate, and 2 x H_q x D multiply-adds per key over the
+float32 FMA peak, dequantization being the kernel's overhead, not part of the floor) and the share
+of the roofline (the larger floor over the time); the speedup
 over the float16 op and over mlx-lm; "hot ms", the same call on one layer whose cache stays
 in the last-level cache (what the arithmetic alone costs: when hot ms is close to ms, the
 kernel is bound by arithmetic, not by memory); the max error of the timed output against
@@ -20,7 +23,7 @@ reference_attention on the dequantized keys and values.
 Out-of-cache rotation: each kernel runs over copies of the case's cache ("layers", as a
 model's layers) that together hold at least 3x the last-level cache, so that no call finds
 its bytes in cache; the JSON records the LLC size and the bytes each kernel rotates.
-The read bandwidth is benchmarks/common.py's ReadBandwidth (the extension's native probe).
+The read bandwidth and FMA peak are benchmarks/common.py's Floors (the extension's native probes).
 
     python benchmarks/bench_quantized.py            # both cases (a few minutes)
     python benchmarks/bench_quantized.py --quick    # 128 MiB rotation, 3 repeats, no mlx-lm (< 1 minute)
@@ -35,7 +38,8 @@ import numpy as np
 import mlx_batched_decode as mbd
 
 from common import (
-    ReadBandwidth,
+    Floors,
+    decode_multiply_adds,
     describe_machine,
     interleaved_medians,
     llc_bytes,
@@ -45,13 +49,18 @@ from common import (
     save,
 )
 
-H_Q, H_KV, D = 32, 8, 128
 GROUP = 64
-TARGETS = {8: 1.6, 4: 2.5}
+LLAMA3_8B, MHA = (32, 8, 128), (16, 16, 64)
+# Per case: heads (H_q, H_kv, D) and the speedups over float16 each width must reach.
+CASES = {
+    "b8": (LLAMA3_8B, {8: 1.3, 4: 1.5}),
+    "b1-8k": (LLAMA3_8B, {8: 1.3, 4: 1.5}),
+    "b8-mha": (MHA, {8: 1.7, 4: 2.5}),
+}
 
 
 def lengths(case):
-    if case == "b8":
+    if case.startswith("b8"):
         return np.random.default_rng(8).integers(512, 2049, size=8)
     return np.array([8192])
 
@@ -75,7 +84,8 @@ def mlx_lm_attention():
     return quantized_scaled_dot_product_attention
 
 
-def run_case(case, rotate_bytes, repeats, bandwidth, with_peer):
+def run_case(case, rotate_bytes, repeats, floors, with_peer):
+    (H_Q, H_KV, D), targets = CASES[case]
     lens_np = lengths(case)
     B, T = len(lens_np), int(lens_np.max())
     lens = mx.array(lens_np, dtype=mx.int32)
@@ -107,11 +117,9 @@ def run_case(case, rotate_bytes, repeats, bandwidth, with_peer):
         "float16": lambda: mx.eval([mbd.batched_decode_attention(q, a[0], a[1], lens) for a in dense]),
         "q8": lambda: mx.eval(ours(8, quantized[8])),
         "q4": lambda: mx.eval(ours(4, quantized[4])),
-        "probe": bandwidth.probe,
     }
     layers = {"float16": len(dense), "q8": len(quantized[8]), "q4": len(quantized[4])}
-    seconds = dict(zip(fns, interleaved_medians(list(fns.values()), warmup=2, repeats=repeats)))
-    probe_gbs = bandwidth.gbs(seconds["probe"])
+    seconds = dict(zip(fns, floors.timed(list(fns.values()), warmup=2, repeats=repeats)))
     # mlx-lm's path takes seconds per call on MLX's CPU backend: one call on one layer each.
     if with_peer:
         for bits in (8, 4):
@@ -149,20 +157,21 @@ def run_case(case, rotate_bytes, repeats, bandwidth, with_peer):
         t = seconds[name] / layers[name]
         err = mx.abs(got[name].astype(mx.float32) - want[name]).max().item()
         row = {
-            "case": case, "B": B, "kernel": name, "ms": t * 1e3, "gbs": valid * row_bytes / t / 1e9,
-            "probe_gbs": probe_gbs, "frac_bw": valid * row_bytes / t / 1e9 / probe_gbs,
-            "valid_bytes": valid * row_bytes, "layers": layers[name],
+            "case": case, "heads": [H_Q, H_KV, D], "B": B, "kernel": name, "ms": t * 1e3,
+            "gbs": valid * row_bytes / t / 1e9, "valid_bytes": valid * row_bytes, "layers": layers[name],
             "bytes_rotated": nbytes(dense[0]) * len(dense) if bits == 16 else nbytes(quantized[bits][0]) * layers[name],
             "max_err": err,
         }
+        row |= floors.columns(t, valid * row_bytes, decode_multiply_adds(int(lens_np.sum()), H_Q, D))
+        row["frac_bw"] = row["gbs"] / row["bw_gbs"]
         if name in hot:
             row["hot_ms"] = hot_seconds[name] * 1e3
         if name in ("q8", "q4"):
             row["vs_float16"] = seconds["float16"] / layers["float16"] / t
             if with_peer:
                 row["vs_mlx_lm"] = seconds[f"mlx-lm {name}"] / t
-            row["target"] = TARGETS[bits]
-            row["met"] = row["vs_float16"] >= TARGETS[bits]
+            row["target"] = targets[bits]
+            row["met"] = row["vs_float16"] >= targets[bits]
         # The op's tolerances (float16 output); mlx-lm's masked softmax in float16 is looser.
         assert err < (4e-3 if name in hot else 3e-2), f"wrong result: {row}"
         rows.append(row)
@@ -173,30 +182,33 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="rotate 1x the LLC (at most 128 MiB), 3 repeats, no mlx-lm peer (seconds per call)")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--output", help="results/<name>.json (default quantized, or quantized_quick)")
     args = parser.parse_args()
     llc = llc_bytes()
     rotate = min(llc, 128 << 20) if args.quick else 3 * llc
     repeats = 3 if args.quick else 11
-    bandwidth = ReadBandwidth()
+    floors = Floors()
+    info = machine() | floors.describe
+    print(describe_machine(info))
+    print(floors.header(), flush=True)
     rows = []
-    for case in ("b8", "b1-8k"):
-        rows += run_case(case, rotate, repeats, bandwidth, with_peer=not args.quick)
+    for case in args.cases:
+        rows += run_case(case, rotate, repeats, floors, with_peer=not args.quick)
+        print(f"{case}: " + ", ".join(f"{r['kernel']} {r['ms']:.3f} ms" for r in rows if r["case"] == case), flush=True)
         mx.clear_cache()
     print_table(rows, [
         ("case", "case", "{}"), ("kernel", "kernel", "{}"), ("ms", "ms", "{:.3f}"), ("hot_ms", "hot ms", "{:.3f}"),
-        ("gbs", "GB/s", "{:.1f}"), ("frac_bw", "of bw", "{:.0%}"), ("vs_float16", "vs float16", "{:.2f}x"),
-        ("target", "target", "{:.1f}x"), ("vs_mlx_lm", "vs mlx-lm", "{:.2f}x"), ("layers", "layers", "{}"),
-        ("max_err", "max err", "{:.1e}"),
+        ("gbs", "GB/s", "{:.1f}"), ("bw_gbs", "bw GB/s", "{:.1f}"), ("frac_bw", "of bw", "{:.0%}"), *Floors.COLUMNS,
+        ("vs_float16", "vs float16", "{:.2f}x"), ("target", "target", "{:.1f}x"), ("vs_mlx_lm", "vs mlx-lm", "{:.2f}x"),
+        ("layers", "layers", "{}"), ("max_err", "max err", "{:.1e}"),
     ])
-    info = machine()
     print(describe_machine(info))
-    print(f"read bandwidth probe (ReadBandwidth): {rows[0]['probe_gbs']:.1f} GB/s (b8), "
-          f"{rows[-1]['probe_gbs']:.1f} GB/s (b1-8k); LLC {llc / 2**20:.0f} MiB, rotated >= {rotate / 2**20:.0f} MiB")
-    path = save("quantized_quick" if args.quick else "quantized", {
+    print(f"LLC {llc / 2**20:.0f} MiB, rotated >= {rotate / 2**20:.0f} MiB")
+    path = save(args.output or ("quantized_quick" if args.quick else "quantized"), {
         "machine": info, "cpu_isa": mbd._ext.cpu_isa(), "threads": mbd._ext.cpu_threads(),
-        "llc_bytes": llc, "rotate_bytes": rotate, "bandwidth": "benchmarks/common.py ReadBandwidth",
-        "probe": bandwidth.describe,
-        "heads": [H_Q, H_KV, D], "group_size": GROUP, "rows": rows,
+        "llc_bytes": llc, "rotate_bytes": rotate, "floors": "benchmarks/common.py Floors",
+        "group_size": GROUP, "rows": rows,
     })
     print(f"wrote {path}")
 

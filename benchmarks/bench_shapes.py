@@ -3,7 +3,8 @@ attention sinks and head dims, against the targets of the issue that added them.
 
 Groups (Llama-3-8B heads, 32 query / 8 KV heads; K/V on huge pages as SlotKVCache keeps them,
 rotated through distinct buffers ("layers") of at least 3x the last-level cache; each group's
-calls and the native read-bandwidth probe timed in turns, the median of --rounds rounds):
+calls and the floors' probes (common.Floors: read bandwidth and float32 FMA peak) timed in turns,
+the median of --rounds rounds):
 
 - window: B=8, 16k keys per request, float16, window 1024 vs none. Target: at least 10x
   faster, and GB/s of the bytes read within 10% of the unwindowed call's.
@@ -15,8 +16,10 @@ calls and the native read-bandwidth probe timed in turns, the median of --rounds
 - head dims: B=8, 512-2048 keys, D = 32, 64, 256, 512 (and generic 48, 200). Target: D=32 and
   D=512 at least 70% of the GB/s of D=64 and D=256.
 
-GB/s counts the K/V bytes each call reads (the keys its rows attend). Every timed output is
-checked against reference_attention.
+GB/s counts the K/V bytes each call reads (the keys its rows attend); the memory floor is those
+bytes over the read probe's rate, the arithmetic floor the call's 2 x H_q x L x D multiply-adds per
+key read over the FMA peak, "of roofline" the larger over the time. Every timed output is checked
+against reference_attention.
 
     python benchmarks/bench_shapes.py              # every group, 3 rounds (about 6 minutes)
     python benchmarks/bench_shapes.py --rounds 1   # one round
@@ -30,9 +33,7 @@ import numpy as np
 import mlx_batched_decode as mbd
 from mlx_batched_decode import _ext
 
-from common import (
-    ReadBandwidth, describe_machine, interleaved_medians, llc_bytes, machine, print_table, rotation_sets, save,
-)
+from common import Floors, decode_multiply_adds, describe_machine, llc_bytes, machine, print_table, rotation_sets, save
 
 H_Q, H_KV = 32, 8
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -61,6 +62,7 @@ class Call:
         self.q = mx.random.normal((B, H_Q, L, D)).astype(dtype)
         mx.eval(self.q)
         self.bytes = read_keys * H_KV * D * 2 * self.q.itemsize  # per layer
+        self.multiply_adds = decode_multiply_adds(read_keys, H_Q, D, L)
         self.rotated = sum(k.nbytes + v.nbytes for k, v in kv)
 
     def outputs(self):
@@ -79,17 +81,16 @@ class Call:
         return err
 
 
-def timed(calls, probe, dtype_name):
-    """Rows of `calls` timed in turns with each other and the probe."""
-    *seconds, probe_s = interleaved_medians([c.run for c in calls] + [probe.probe], warmup=2, repeats=9)
-    bandwidth = probe.gbs(probe_s)
+def timed(calls, floors, dtype_name):
+    """Rows of `calls` timed in turns with each other and the floors' probes."""
+    seconds = floors.timed([c.run for c in calls], warmup=2, repeats=9)
     rows = []
     for call, s in zip(calls, seconds):
         t = s / len(call.kv)
         gbs = call.bytes / t / 1e9
-        rows.append(dict(call=call.name, ms=t * 1e3, gbs=gbs, bw_gbs=bandwidth, frac_bw=gbs / bandwidth,
-                         max_err=call.check(dtype_name), layers=len(call.kv), bytes_rotated=call.rotated,
-                         llc_bytes=llc_bytes(), rotated_x_llc=call.rotated / llc_bytes()))
+        row = dict(call=call.name, ms=t * 1e3, gbs=gbs, **floors.columns(t, call.bytes, call.multiply_adds))
+        rows.append(row | dict(frac_bw=gbs / row["bw_gbs"], max_err=call.check(dtype_name), layers=len(call.kv),
+                               bytes_rotated=call.rotated, llc_bytes=llc_bytes(), rotated_x_llc=call.rotated / llc_bytes()))
     return rows
 
 
@@ -97,7 +98,7 @@ def uniform_lengths(B):
     return np.random.default_rng(B).integers(512, 2049, size=B)
 
 
-def window_group(probe):
+def window_group(floors):
     B, T, D, window = 8, 16384, 128, 1024
     kv, huge = kv_buffers(B, T, D, mx.float16)
     lens = mx.array([T] * B, dtype=mx.int32)
@@ -105,18 +106,18 @@ def window_group(probe):
         Call("no window", kv, lens, 1, mx.float16, B * T),
         Call("window 1024", kv, lens, 1, mx.float16, B * window, window=window),
     ]
-    rows = timed(calls, probe, "float16")
+    rows = timed(calls, floors, "float16")
     rows[1]["speedup"] = rows[0]["ms"] / rows[1]["ms"]
     rows[1]["gbs_vs_full"] = rows[1]["gbs"] / rows[0]["gbs"]
     return rows, huge
 
 
-def rows_group(probe, dtype_name, isa=None):
+def rows_group(floors, dtype_name, isa=None):
     if isa is not None:
         previous = _ext.cpu_isa()
         _ext.set_cpu_isa(isa)
         try:
-            return rows_group(probe, dtype_name)
+            return rows_group(floors, dtype_name)
         finally:
             _ext.set_cpu_isa(previous)
     B, D = 8, 128
@@ -124,13 +125,13 @@ def rows_group(probe, dtype_name, isa=None):
     kv, huge = kv_buffers(B, int(lens_np.max()), D, DTYPES[dtype_name])
     lens = mx.array(lens_np, dtype=mx.int32)
     calls = [Call(f"L={L}", kv, lens, L, DTYPES[dtype_name], int(lens_np.sum())) for L in (1, 2, 4, 8)]
-    rows = timed(calls, probe, dtype_name)
+    rows = timed(calls, floors, dtype_name)
     for row in rows:
         row["vs_first"] = row["ms"] / rows[0]["ms"]
     return rows, huge
 
 
-def sinks_group(probe):
+def sinks_group(floors):
     B, D = 8, 128
     lens_np = uniform_lengths(B)
     kv, huge = kv_buffers(B, int(lens_np.max()), D, mx.float16)
@@ -140,12 +141,12 @@ def sinks_group(probe):
         Call("no sinks", kv, lens, 1, mx.float16, int(lens_np.sum())),
         Call("sinks", kv, lens, 1, mx.float16, int(lens_np.sum()), sinks=sinks),
     ]
-    rows = timed(calls, probe, "float16")
+    rows = timed(calls, floors, "float16")
     rows[1]["vs_first"] = rows[1]["ms"] / rows[0]["ms"]
     return rows, huge
 
 
-def head_dim_group(probe):
+def head_dim_group(floors):
     B = 8
     lens_np = uniform_lengths(B)
     lens = mx.array(lens_np, dtype=mx.int32)
@@ -154,7 +155,7 @@ def head_dim_group(probe):
         kv, huge = kv_buffers(B, int(lens_np.max()), D, mx.float16)
         calls.append(Call(f"D={D}", kv, lens, 1, mx.float16, int(lens_np.sum())))
         fractions.append(huge)
-    rows = timed(calls, probe, "float16")
+    rows = timed(calls, floors, "float16")
     by_name = {r["call"]: r for r in rows}
     by_name["D=32"]["gbs_vs"] = by_name["D=32"]["gbs"] / by_name["D=64"]["gbs"]
     by_name["D=512"]["gbs_vs"] = by_name["D=512"]["gbs"] / by_name["D=256"]["gbs"]
@@ -163,16 +164,19 @@ def head_dim_group(probe):
 
 GROUPS = {
     "window": window_group,
-    "rows float16": lambda probe: rows_group(probe, "float16"),
-    "rows bfloat16": lambda probe: rows_group(probe, "bfloat16"),
-    "rows float32": lambda probe: rows_group(probe, "float32"),
+    "rows float16": lambda floors: rows_group(floors, "float16"),
+    "rows bfloat16": lambda floors: rows_group(floors, "bfloat16"),
+    "rows float32": lambda floors: rows_group(floors, "float32"),
     "sinks": sinks_group,
     "head dims": head_dim_group,
 }
 if "amx" in _ext.cpu_isas():
-    GROUPS["rows float16 vector"] = lambda probe: rows_group(probe, "float16", "avx512bf16")
-    GROUPS["rows bfloat16 vector"] = lambda probe: rows_group(probe, "bfloat16", "avx512bf16")
-MEASURED = ("ms", "gbs", "bw_gbs", "frac_bw", "speedup", "gbs_vs_full", "vs_first", "gbs_vs", "max_err")
+    GROUPS["rows float16 vector"] = lambda floors: rows_group(floors, "float16", "avx512bf16")
+    GROUPS["rows bfloat16 vector"] = lambda floors: rows_group(floors, "bfloat16", "avx512bf16")
+MEASURED = (
+    "ms", "gbs", "bw_gbs", "frac_bw", "speedup", "gbs_vs_full", "vs_first", "gbs_vs", "max_err", "fma_gs",
+    "mem_floor_ms", "arith_floor_ms", "frac_arith", "roofline",
+)
 
 
 def median_of_rounds(rounds):
@@ -198,15 +202,16 @@ def main():
     args = parser.parse_args()
 
     mx.set_default_device(mx.cpu)
-    probe = ReadBandwidth()
-    info = machine() | {"cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads(), "rounds": args.rounds}
+    floors = Floors()
+    info = machine() | floors.describe | {"rounds": args.rounds}
     print(f"{describe_machine(info)}; {args.rounds} rounds")
+    print(floors.header(), flush=True)
 
     measured = {name: [] for name in args.groups}
     huge_pages = {}
     for r in range(args.rounds):
         for name in args.groups:
-            rows, huge_pages[name] = GROUPS[name](probe)
+            rows, huge_pages[name] = GROUPS[name](floors)
             measured[name].append(rows)
             summary = ", ".join(f"{row['call']} {row['ms']:.3f} ms" for row in rows)
             print(f"[round {r + 1}/{args.rounds}] {name}: {summary}", flush=True)
@@ -215,7 +220,8 @@ def main():
     columns = [
         ("call", "call", "{}"), ("ms", "ms", "{:.3f}"), ("gbs", "GB/s", "{:.2f}"), ("bw_gbs", "bw GB/s", "{:.1f}"),
         ("frac_bw", "of bw", "{:.0%}"), ("speedup", "speedup", "{:.1f}x"), ("gbs_vs_full", "GB/s vs full", "{:.2f}"),
-        ("vs_first", "time vs first", "{:.2f}"), ("gbs_vs", "GB/s vs D=64/256", "{:.2f}"), ("max_err", "max err", "{:.1e}"),
+        ("vs_first", "time vs first", "{:.2f}"), ("gbs_vs", "GB/s vs D=64/256", "{:.2f}"), *Floors.COLUMNS,
+        ("max_err", "max err", "{:.1e}"),
         ("rotated_x_llc", "x LLC", "{:.1f}"),
     ]
     for name, rounds in measured.items():

@@ -1,5 +1,6 @@
-"""Shared benchmark helpers: machine description, cache sizes, tables, JSON; timing and the read
-bandwidth probe come from the package's tools (shared with the self-test)."""
+"""Shared benchmark helpers: machine description, cache sizes, the two floors of a CPU call,
+tables, JSON; timing and the read-bandwidth and arithmetic probes come from the package's tools
+(shared with the self-test)."""
 
 import json
 import math
@@ -11,6 +12,7 @@ import threading
 import numpy as np
 
 from mlx_batched_decode import _ext
+from mlx_batched_decode.tools.arithmetic import ArithmeticPeak, arithmetic_peaks
 from mlx_batched_decode.tools.bandwidth import ReadBandwidth  # noqa: F401  benchmarks take them from here
 from mlx_batched_decode.tools.timing import interleaved_medians, median_seconds  # noqa: F401
 
@@ -27,6 +29,53 @@ def rotation_sets(bytes_per_set, factor=3):
     bytes cycled are at least `factor` times the last-level cache: each call then reads from
     memory, not from what the previous calls left in the cache."""
     return max(1, math.ceil(factor * llc_bytes() / bytes_per_set))
+
+
+def decode_multiply_adds(keys, heads_q, head_dim, rows=1):
+    """Multiply-adds of a decode call's arithmetic floor: a score and a weighted value, D each, per
+    key and query row, so 2 x H_q x rows x D per key (2 x G x rows x D per key and KV head).
+    keys: keys attended per query head summed over the batch (valid lengths, or the window)."""
+    return 2 * keys * heads_q * rows * head_dim
+
+
+class Floors:
+    """The two floors of a CPU call and its share of the roofline, from probes timed in turns with
+    the calls: the memory floor (bytes / the read probe's bandwidth) and the arithmetic floor
+    (multiply-adds / the float32 FMA peak of the kernel variant's vectors). A call's share of the
+    roofline is max(memory floor, arithmetic floor) / its time; a share above 100% of the
+    arithmetic floor alone means a dot-product or tile unit beat float32 FMAs."""
+
+    COLUMNS = [
+        ("mem_floor_ms", "mem floor", "{:.3f}"), ("arith_floor_ms", "fma floor", "{:.3f}"),
+        ("roofline", "of roofline", "{:.0%}"),
+    ]
+
+    def __init__(self, huge_pages=True, read=None):
+        self.read = read or ReadBandwidth(huge_pages)
+        self.fma = ArithmeticPeak()
+        self.describe = self.read.describe | self.fma.describe
+        self.gbs = self.fma_rate = None
+
+    def timed(self, calls, **turns):
+        """Median seconds of each of `calls` timed in turns with each other and the two probes
+        (interleaved_medians' warmup and repeats); the probes' rates are kept for columns()."""
+        *seconds, t_read, t_fma = interleaved_medians(list(calls) + [self.read.probe, self.fma.probe], **turns)
+        self.gbs, self.fma_rate = self.read.gbs(t_read), self.fma.rate(t_fma)
+        return seconds
+
+    def columns(self, seconds, nbytes, multiply_adds):
+        """A row's floor figures for one call of `seconds` that reads `nbytes` and needs
+        `multiply_adds`, against the rates of the last timed()."""
+        memory, arith = nbytes / (self.gbs * 1e9), multiply_adds / self.fma_rate
+        return {
+            "bw_gbs": self.gbs, "fma_gs": self.fma_rate / 1e9, "mem_floor_ms": memory * 1e3,
+            "arith_floor_ms": arith * 1e3, "frac_arith": arith / seconds, "roofline": max(memory, arith) / seconds,
+        }
+
+    def header(self):
+        """What the floors are measured with, and every arithmetic unit's peak, for a table's top."""
+        peaks = ", ".join(f"{unit} {g:.0f}" for unit, g in arithmetic_peaks().items())
+        return f"floors: {self.read.label}; {self.fma.label}; peaks (G multiply-adds/s): {peaks}"
 
 
 class NumpyReadBandwidth:

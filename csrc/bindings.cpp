@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "batched_decode_attention.h"
+#include "cpu/arithmetic_probe.h"
 #include "cpu/bandwidth_probe.h"
 #include "cpu/isa.h"
 #include "cpu/parallel_decode.h"
@@ -503,4 +504,38 @@ Raises:
       .def_prop_ro("isa", &mbd::cpu::ReadProbe::isa, "Loads in use: 'avx512', 'avx2' or 'baseline'.")
       .def_prop_ro("checksum", &mbd::cpu::ReadProbe::checksum,
                    "XOR of the 64-bit words the last read loaded; word i of the buffer holds i.");
+
+  m.def("arithmetic_units", &mbd::cpu::arithmetic_units,
+        "Units an ArithmeticProbe can rate: 'fma32', 'bf16_dot', 'int8_dot', 'amx_bf16', 'amx_int8'.");
+  m.def("available_arithmetic_units", &mbd::cpu::available_arithmetic_units,
+        "Those of arithmetic_units() this CPU (and OS, for AMX tile state) runs.");
+  nb::class_<mbd::cpu::ArithmeticProbe>(
+      m, "ArithmeticProbe",
+      R"(The machine's arithmetic peak as the CPU kernel computes: on the
+kernel's worker pool (all its threads), independent chains of one
+instruction, no memory traffic.
+
+Time ``run()`` in turns with the code compared to it; the rate is
+``multiply_adds / seconds``. A multiply-add is one product of two elements
+added into a sum; a dot-product instruction does several per lane.)")
+      .def(nb::init<const std::string&, const std::string&>(), "unit"_a = "fma32", "isa"_a = "",
+           R"(Args:
+    unit (str): ``"fma32"`` (float32 fused multiply-adds), ``"bf16_dot"``
+        (AVX512_BF16 ``vdpbf16ps``), ``"int8_dot"`` (AVX512-VNNI
+        ``vpdpbusd``), ``"amx_bf16"`` (``tdpbf16ps``) or ``"amx_int8"``
+        (``tdpbusd``).
+    isa (str): the vector width of ``"fma32"``: ``"avx512"``, ``"avx2"``
+        or ``"baseline"`` (128-bit vectors); empty for the widest this CPU
+        runs. The dot-product units take only ``""``.
+
+Raises:
+    ValueError: this CPU does not run ``unit`` (on ``isa``'s vectors).)")
+      .def("run", &mbd::cpu::ArithmeticProbe::run, nb::call_guard<nb::gil_scoped_release>(),
+           "Runs the probe's multiply-adds once; returns the seconds it took.")
+      .def_prop_ro("multiply_adds", &mbd::cpu::ArithmeticProbe::multiply_adds, "Multiply-adds per call of run().")
+      .def_prop_ro("unit", &mbd::cpu::ArithmeticProbe::unit, "The unit rated.")
+      .def_prop_ro("isa", &mbd::cpu::ArithmeticProbe::isa,
+                   "Vector width of 'fma32': 'avx512', 'avx2' or 'baseline'; '' for the other units.")
+      .def_prop_ro("checksum", &mbd::cpu::ArithmeticProbe::checksum,
+                   "The last run's accumulators folded; the same for every run of a probe.");
 }

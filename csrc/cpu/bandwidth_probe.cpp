@@ -1,12 +1,10 @@
 #include "cpu/bandwidth_probe.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <memory>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -23,8 +21,7 @@
 #include <immintrin.h>
 #endif
 
-#include "cpu/parallel_decode.h"
-#include "cpu/worker_pool.h"
+#include "cpu/all_threads.h"
 
 namespace mlx_batched_decode::cpu {
 
@@ -128,29 +125,6 @@ void fill(char* data, size_t bytes) {
     words[i] = i;
   }
 }
-
-// One read of the whole buffer, shared by the caller and the pool's threads;
-// a helper that starts after the last piece was claimed finds none to do.
-struct Pass {
-  const char* data;
-  size_t pieces;
-  Reader reader;
-  std::atomic<size_t> next{0};
-  std::atomic<size_t> done{0};
-  std::atomic<uint64_t> checksum{0};
-
-  void work() {
-    uint64_t sum = 0;
-    size_t finished = 0;
-    for (size_t i; (i = next.fetch_add(1)) < pieces; ++finished) {
-      sum ^= reader(data + i * kPiece);
-    }
-    checksum.fetch_xor(sum, std::memory_order_relaxed);
-    if (finished > 0 && done.fetch_add(finished, std::memory_order_acq_rel) + finished == pieces) {
-      done.notify_all();
-    }
-  }
-};
 
 // Highest-level data or unified cache of one CPU directory: (level, bytes, sharing CPUs).
 struct CacheInfo {
@@ -274,24 +248,11 @@ ReadProbe::~ReadProbe() {
 }
 
 double ReadProbe::read() {
-  auto pass = std::make_shared<Pass>();
-  pass->data = data_;
-  pass->pieces = bytes_ / kPiece;
-  pass->reader = reader_;
+  const char* data = data_;
+  const Reader reader = reader_;
   const auto start = std::chrono::steady_clock::now();
-  const int helpers = std::min<size_t>(max_threads() - 1, pass->pieces - 1);
-  if (helpers > 0) {
-    shared_pool().enqueue([pass] { pass->work(); }, helpers);
-  }
-  pass->work();
-  const size_t n = pass->pieces;
-  // As run_decode: poll for the helpers' last pieces before sleeping.
-  poll_for(spin_time(), [&] { return pass->done.load(std::memory_order_acquire) == n; });
-  for (size_t d; (d = pass->done.load(std::memory_order_acquire)) < n;) {
-    pass->done.wait(d, std::memory_order_acquire);
-  }
+  checksum_ = run_pieces(bytes_ / kPiece, [data, reader](size_t i) { return reader(data + i * kPiece); });
   const auto stop = std::chrono::steady_clock::now();
-  checksum_ = pass->checksum.load();
   return std::chrono::duration<double>(stop - start).count();
 }
 

@@ -160,6 +160,19 @@ uint32_t load_block(const DecodeArgs& a, const RowSource<T>& src, int t, int n, 
                     const T** rows, Lookahead* next = nullptr, int64_t* ahead = nullptr) {
   const int Dp = D ? D : a.Dp;
   const int64_t* stride = src.stride;
+  if (!src.paged() && !gathered<D>(stride)) {
+    // Dense rows read in place, one stride apart: no checks per row (the
+    // general loop below reloads the strides for every row).
+    const T* first = src.base + static_cast<int64_t>(t) * stride[2];
+    const int64_t step = stride[2];
+    for (int j = 0; j < n; ++j) {
+      rows[j] = first + j * step;
+    }
+    for (int j = n; j % 4 != 0; ++j) {
+      rows[j] = rows[n - 1];
+    }
+    return n == kBlock ? ~0u : (1u << n) - 1;
+  }
   const bool offsets = next != nullptr && src.paged() && !gathered<D>(stride);
   if ((gathered<D>(stride) || src.paged()) && !offsets) {
     after.src.prefetch(after.t, after.n, a.D);
@@ -675,6 +688,13 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
       s.ranges[m * L + i] = a.row_range(len, start, i);
     }
   }
+  // Whether AmxItem::begin may take this item (its condition there).
+  bool tiles_may_run = false;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  if constexpr (kAmx<T> && Bits == 0) {
+    tiles_may_run = a.amx_tiles && R >= kAmxMinRows<T> && c.heads == 1;
+  }
+#endif
   // At most kMaxItemHeads heads per item (parallel_decode.h).
   HeadPass<T> passes[kMaxItemHeads];
   for (int i = 0; i < c.heads; ++i) {
@@ -694,8 +714,8 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
     pass.st = states[i];
     pass.qs = s.q.data() + static_cast<int64_t>(i) * R * Dp;
     pass.q_raw = kBf16Dot<T> ? s.q_raw.data() + static_cast<int64_t>(i) * R * Dp : nullptr;
-    // The allocated rows past R too: the AMX path computes on whole groups of 16.
-    for (int r = 0; r < PartialState::rows(R); ++r) {
+    // Rows past R too where the AMX path may run: it computes on whole groups of 16.
+    for (int r = 0; r < (tiles_may_run ? PartialState::rows(R) : R); ++r) {
       pass.st.m[r] = kNegInf;
       pass.st.l[r] = 0.0f;
       std::fill_n(pass.st.acc + r * Dp, Dp, 0.0f);
@@ -738,7 +758,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   AmxItem<T>& tiles = tls_tiles<T>;
   if constexpr (kAmx<T> && Bits == 0) {
-    tiles.begin(a, c, Dp, s.ranges.data(), a.amx_tiles && R >= kAmxMinRows<T> && c.heads == 1);
+    tiles.begin(a, c, Dp, s.ranges.data(), tiles_may_run);
   }
 #endif
   QuantizedScratch& quantized = tls_quantized;

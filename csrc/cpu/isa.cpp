@@ -26,18 +26,6 @@ const char* isa_name(Isa isa) {
   return kIsaNames[static_cast<int>(isa)];
 }
 
-// Linux hands out AMX tile state only to processes that ask for it, once;
-// the grant covers every thread of the process.
-bool amx_permitted() {
-#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
-#else
-  return false;
-#endif
-}
-
 bool supported(Isa isa) {
 #if defined(__x86_64__) || defined(_M_X64)
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -94,6 +82,16 @@ std::atomic<Isa>& selected() {
 }
 
 } // namespace
+
+bool amx_permitted() {
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
 
 std::vector<std::string> available_isas() {
   std::vector<std::string> names;

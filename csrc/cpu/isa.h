@@ -8,6 +8,10 @@
 
 namespace mlx_batched_decode::cpu {
 
+// Linux hands out AMX tile state only to processes that ask for it: asks
+// once and says whether it was granted (the grant covers every thread).
+bool amx_permitted();
+
 // Variants compiled in and supported by this CPU, best last.
 std::vector<std::string> available_isas();
 

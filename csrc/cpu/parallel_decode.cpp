@@ -66,7 +66,9 @@ struct Call {
   std::vector<Slot> slots;
   std::vector<int> members; // the requests of shared items, which point into it
   std::vector<int64_t> parts_begin; // [pairs + 1], prefix sum of chunk counts
-  std::vector<float> parts; // partial states, PartialState::size(rows, Dp) each
+  // Partial states, PartialState::size(rows, Dp) each; left unset (a call's
+  // are megabytes), since each chunk sets its own rows before any are read.
+  std::unique_ptr<float[]> parts;
   std::unique_ptr<std::atomic<int>[]> remaining; // chunks left per pair
   std::atomic<int> next{0};
   std::atomic<int> done{0};
@@ -77,7 +79,7 @@ struct Call {
     const int64_t part_size = PartialState::size(R, args.Dp);
     const Chunk* after = following ? &following->chunk : nullptr;
     auto state_of = [&](const Slot& slot) {
-      return parts.data() + (parts_begin[slot.pair] + slot.part) * part_size;
+      return parts.get() + (parts_begin[slot.pair] + slot.part) * part_size;
     };
     if (c.t1 <= c.t0) {
       fns.finalize(args, c.b, c.h, nullptr, 0);
@@ -119,7 +121,7 @@ struct Call {
         const int64_t pair = slots[it.slot + i * c.count + m].pair;
         if (remaining[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
           const int n = static_cast<int>(parts_begin[pair + 1] - parts_begin[pair]);
-          fns.finalize(args, c.request(m), c.h + i, parts.data() + parts_begin[pair] * part_size, n);
+          fns.finalize(args, c.request(m), c.h + i, parts.get() + parts_begin[pair] * part_size, n);
         }
       }
     }
@@ -269,12 +271,13 @@ std::shared_ptr<Call> plan(const DecodeArgs& a) {
   const int64_t pairs = static_cast<int64_t>(a.B) * a.H_kv;
   call->parts_begin.resize(pairs + 1);
   call->remaining = std::make_unique<std::atomic<int>[]>(pairs);
+  // call->args, not a: it says whether the tiles may run (item_heads).
   if (a.block_tables != nullptr) {
-    plan_paged(a, *call);
+    plan_paged(call->args, *call);
   } else {
-    plan_dense(a, *call);
+    plan_dense(call->args, *call);
   }
-  call->parts.resize(call->parts_begin[pairs] * PartialState::size(a.rows(), a.Dp));
+  call->parts = std::make_unique_for_overwrite<float[]>(call->parts_begin[pairs] * PartialState::size(a.rows(), a.Dp));
   return call;
 }
 

@@ -1,0 +1,109 @@
+"""The native arithmetic probe (ArithmeticProbe) the benchmarks' arithmetic floors divide by: each
+dot-product unit's accumulators end at exactly the counted multiply-adds, every unit this CPU runs
+rates positive and alike across two runs, and unknown units or widths are refused."""
+
+import struct
+import sys
+
+import pytest
+
+from mlx_batched_decode import _ext
+from mlx_batched_decode.tools.arithmetic import ArithmeticPeak, arithmetic_peaks, kernel_fma_width
+from tests.support.repo import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import common  # noqa: E402
+
+WIDTHS = ("avx512", "avx2", "baseline")
+PIECES = 128  # pieces per run (arithmetic_probe.cpp)
+# Per piece: the accumulators (count, value each ends at, its struct format) and the multiply-adds
+# that got them there. bfloat16 2^-6 pairs add 2 x 2^-12 per vdpbf16ps lane, 32 x 2^-12 per
+# tdpbf16ps element; ones add 4 per vpdpbusd lane and 64 per tdpbusd element.
+EXACT = {
+    "bf16_dot": (16 * 16, (1 << 15) * 2 * 2.0**-12, "f", (1 << 15) * 16 * 16 * 2),
+    "int8_dot": (16 * 16, (1 << 15) * 4, "i", (1 << 15) * 16 * 16 * 4),
+    "amx_bf16": (4 * 256, (1 << 13) * 32 * 2.0**-12, "f", (1 << 13) * 4 * 256 * 32),
+    "amx_int8": (4 * 256, (1 << 13) * 64, "i", (1 << 13) * 4 * 256 * 64),
+}
+
+
+def _fold(values, fmt):
+    """arithmetic_probe.cpp's fold: FNV-style over the 32-bit patterns of the accumulators."""
+    total = 0
+    for v in values:
+        (bits,) = struct.unpack("<I", struct.pack("<" + fmt, v))
+        total = ((total ^ bits) * 0x100000001B3) % (1 << 64)
+    return total
+
+
+def _runs(unit, width=""):
+    try:
+        _ext.ArithmeticProbe(unit, width)
+    except ValueError:
+        return False
+    return True
+
+
+def test_units_are_listed_and_fma32_always_runs():
+    assert _ext.arithmetic_units() == ["fma32", "bf16_dot", "int8_dot", "amx_bf16", "amx_int8"]
+    assert _ext.available_arithmetic_units()[0] == "fma32"
+    assert set(_ext.available_arithmetic_units()) <= set(_ext.arithmetic_units())
+
+
+@pytest.mark.parametrize("unit", sorted(EXACT))
+def test_dot_units_do_exactly_the_counted_multiply_adds(unit):
+    if unit not in _ext.available_arithmetic_units():
+        pytest.skip(f"this CPU does not run {unit}")
+    count, value, fmt, per_piece = EXACT[unit]
+    probe = _ext.ArithmeticProbe(unit)
+    probe.run()
+    assert probe.multiply_adds == per_piece * PIECES
+    # The values are exact in their type, so one multiply-add more or fewer changes the checksum.
+    assert probe.checksum == _fold([value] * count, fmt)
+    assert _fold([value + (1 if fmt == "i" else 2.0**-12)] * count, fmt) != probe.checksum
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_fma32_on_each_width_is_repeatable(width):
+    if not _runs("fma32", width):
+        pytest.skip(f"this CPU does not run {width} vectors")
+    probe = _ext.ArithmeticProbe("fma32", width)
+    assert probe.isa == width
+    probe.run()
+    first = probe.checksum
+    probe.run()
+    assert first != 0 and probe.checksum == first, "every run starts its chains afresh"
+
+
+def test_default_width_is_the_widest_the_cpu_runs():
+    widest = next(w for w in WIDTHS if _runs("fma32", w))
+    assert _ext.ArithmeticProbe().isa == widest
+
+
+def test_benchmark_peak_computes_on_the_kernel_variants_vectors():
+    for isa in _ext.cpu_isas():
+        assert kernel_fma_width(isa) in WIDTHS
+    peak = ArithmeticPeak()
+    assert peak.prober.isa == kernel_fma_width()
+    assert peak.rate(0.5) == pytest.approx(peak.multiply_adds / 0.5)
+    floors = common.Floors(huge_pages=False, read=common.ReadBandwidth(huge_pages=False, nbytes=8 << 20))
+    floors.timed([lambda: None], warmup=1, repeats=3)
+    row = floors.columns(2e-3, nbytes=floors.gbs * 1e9 * 1e-3, multiply_adds=floors.fma_rate * 5e-4)
+    assert row["mem_floor_ms"] == pytest.approx(1.0) and row["arith_floor_ms"] == pytest.approx(0.5)
+    assert row["roofline"] == pytest.approx(0.5), "the larger floor over the time"
+
+
+@pytest.mark.parametrize("unit, width", [("sse9", ""), ("fma32", "sse9"), ("bf16_dot", "avx2")])
+def test_unknown_units_and_widths_are_refused(unit, width):
+    with pytest.raises(ValueError, match=r"\[ArithmeticProbe\] unit '" + unit):
+        _ext.ArithmeticProbe(unit, width)
+
+
+def test_every_unit_rates_positive_and_alike_in_two_runs():
+    # Medians of 5 runs each, twice: a shared machine's noise stays well inside 2x.
+    first, second = arithmetic_peaks(), arithmetic_peaks()
+    assert set(first) == set(second) and "fma32/baseline" in first
+    for unit in first:
+        assert 0.1 < first[unit] < 1e6, f"{unit}: {first[unit]} G multiply-adds/s no CPU has"
+        ratio = first[unit] / second[unit]
+        assert 0.5 < ratio < 2, f"{unit}: {first[unit]:.1f} vs {second[unit]:.1f} G multiply-adds/s"
