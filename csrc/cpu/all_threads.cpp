@@ -45,11 +45,7 @@ uint64_t run_pieces(size_t pieces, std::function<uint64_t(size_t)> piece) {
     shared_pool().enqueue([pass] { pass->work(); }, helpers);
   }
   pass->work();
-  // As run_decode: poll for the helpers' last pieces before sleeping.
-  poll_for(spin_time(), [&] { return pass->done.load(std::memory_order_acquire) == pieces; });
-  for (size_t d; (d = pass->done.load(std::memory_order_acquire)) < pieces;) {
-    pass->done.wait(d, std::memory_order_acquire);
-  }
+  wait_for_count(pass->done, pieces);
   return pass->checksum.load();
 }
 

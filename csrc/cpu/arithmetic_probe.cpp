@@ -145,8 +145,11 @@ struct TileBuffers {
   }
 };
 
-__attribute__((target("amx-tile,amx-bf16"))) uint64_t amx_bf16() {
-  TileBuffers t(kBf16Pair);
+// Four tile products of one kind in flight, kTileIters times: tdpbusd on
+// int8 ones (Int8), else tdpbf16ps on the bfloat16 pairs.
+template <bool Int8>
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) uint64_t tile_products() {
+  TileBuffers t(Int8 ? 0x01010101u : kBf16Pair);
   _tile_loadconfig(&kTiles);
   _tile_zero(0);
   _tile_zero(1);
@@ -157,35 +160,17 @@ __attribute__((target("amx-tile,amx-bf16"))) uint64_t amx_bf16() {
   _tile_loadd(6, t.operand, 64);
   _tile_loadd(7, t.operand, 64);
   for (int i = 0; i < kTileIters; ++i) {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, t.out[0], 64);
-  _tile_stored(1, t.out[1], 64);
-  _tile_stored(2, t.out[2], 64);
-  _tile_stored(3, t.out[3], 64);
-  _tile_release();
-  return fold(&t.out[0][0], 4 * 16 * 16);
-}
-
-__attribute__((target("amx-tile,amx-int8"))) uint64_t amx_int8() {
-  TileBuffers t(0x01010101u);
-  _tile_loadconfig(&kTiles);
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  _tile_loadd(4, t.operand, 64);
-  _tile_loadd(5, t.operand, 64);
-  _tile_loadd(6, t.operand, 64);
-  _tile_loadd(7, t.operand, 64);
-  for (int i = 0; i < kTileIters; ++i) {
-    _tile_dpbusd(0, 4, 6);
-    _tile_dpbusd(1, 4, 7);
-    _tile_dpbusd(2, 5, 6);
-    _tile_dpbusd(3, 5, 7);
+    if constexpr (Int8) {
+      _tile_dpbusd(0, 4, 6);
+      _tile_dpbusd(1, 4, 7);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
   }
   _tile_stored(0, t.out[0], 64);
   _tile_stored(1, t.out[1], 64);
@@ -239,8 +224,8 @@ constexpr Unit kUnits[] = {
 #if defined(__x86_64__) || defined(_M_X64)
     {"bf16_dot", "", bf16_dot, uint64_t{kDotIters} * kWideChains * 16 * 2, has_bf16_dot},
     {"int8_dot", "", int8_dot, uint64_t{kDotIters} * kWideChains * 16 * 4, has_int8_dot},
-    {"amx_bf16", "", amx_bf16, uint64_t{kTileIters} * 4 * 16 * 16 * 32, has_amx_bf16},
-    {"amx_int8", "", amx_int8, uint64_t{kTileIters} * 4 * 16 * 16 * 64, has_amx_int8},
+    {"amx_bf16", "", tile_products<false>, uint64_t{kTileIters} * 4 * 16 * 16 * 32, has_amx_bf16},
+    {"amx_int8", "", tile_products<true>, uint64_t{kTileIters} * 4 * 16 * 16 * 64, has_amx_int8},
 #endif
 };
 

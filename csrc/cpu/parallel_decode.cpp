@@ -332,12 +332,8 @@ void run_decode(const DecodeArgs& args) {
     shared_pool().enqueue([call] { call->work(); }, helpers);
   }
   call->work();
-  // The helpers' last items end within one item's time of ours: poll for
-  // them before sleeping, as the workers poll for calls (see worker_pool.h).
-  poll_for(spin_time(), [&] { return call->done.load(std::memory_order_acquire) == n_items; });
-  for (int d; (d = call->done.load(std::memory_order_acquire)) < n_items;) {
-    call->done.wait(d, std::memory_order_acquire);
-  }
+  // The helpers' last items end within one item's time of ours (worker_pool.h).
+  wait_for_count(call->done, n_items);
 }
 
 } // namespace mlx_batched_decode::cpu

@@ -41,6 +41,16 @@ bool poll_for(std::chrono::microseconds spin, Ready&& ready) {
   return false;
 }
 
+// Returns once `done` reaches n: polls for spin_time() (the last pieces of
+// shared work end within one piece's time of the caller's), then sleeps on it.
+template <typename Count>
+void wait_for_count(const std::atomic<Count>& done, Count n) {
+  poll_for(spin_time(), [&] { return done.load(std::memory_order_acquire) == n; });
+  for (Count d; (d = done.load(std::memory_order_acquire)) < n;) {
+    done.wait(d, std::memory_order_acquire);
+  }
+}
+
 class WorkerPool {
  public:
   // Starts `threads` workers that poll for `spin` before they sleep.
