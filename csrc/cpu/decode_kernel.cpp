@@ -467,23 +467,36 @@ template <typename T>
 thread_local AmxItem<T> tls_tiles;
 #endif
 
+// Whether quantized keys are scored on their integers (dot_rows_integer):
+// for 16-bit queries, where the int16 query words are exact enough.
+template <typename T>
+inline constexpr bool kScoresOnIntegers = kIntegerScores && !std::is_same_v<T, float>;
+
 // The quantized row source's per-thread scratch: a block's packed rows
 // gathered from a strided last axis, the scales and biases of its
 // keys and values as float32, group-major [4][groups, kBlock] (key scales, key
 // biases, value scales, value biases), the query rows' sums per group
-// [R, groups], and per block each row's weights times the value scales
-// [R, groups, kBlock] and weighted value biases [R, groups].
+// [R, groups], for integer scores their int16 words [R, Dp] and scales
+// [R, groups] (query_words) and a block's integer dot products [R, groups,
+// kBlock] (dot_rows_integer), and per block each row's weights times the value
+// scales [R, groups, kBlock] and weighted value biases [R, groups].
 struct QuantizedScratch {
   std::vector<uint32_t> words;
   std::vector<float> sb;
   std::vector<float> qsum;
+  std::vector<int16_t> qwords;
+  std::vector<float> qscale;
+  std::vector<int32_t> sums;
   std::vector<float> ws;
   std::vector<float> bias_sum;
 
-  void reserve(int R, int words_per_row, int groups) {
+  void reserve(int R, int words_per_row, int groups, int Dp) {
     Scratch<float>::grow(words, static_cast<size_t>(kBlock) * words_per_row);
     Scratch<float>::grow(sb, static_cast<size_t>(4) * groups * kBlock);
     Scratch<float>::grow(qsum, static_cast<size_t>(R) * groups);
+    Scratch<float>::grow(qwords, static_cast<size_t>(R) * Dp);
+    Scratch<float>::grow(qscale, static_cast<size_t>(R) * groups);
+    Scratch<float>::grow(sums, static_cast<size_t>(R) * groups * kBlock);
     Scratch<float>::grow(ws, static_cast<size_t>(R) * groups * kBlock);
     Scratch<float>::grow(bias_sum, static_cast<size_t>(R) * groups);
   }
@@ -497,7 +510,13 @@ void widen_strided(const void* base, int64_t first, int64_t step, int n, float* 
   const S* x = static_cast<const S*>(base) + first;
   for (int j = 0; j < n; ++j) {
     if constexpr (std::is_same_v<S, mx::float16_t>) {
+#if defined(__F16C__)
+      // One instruction, where the portable conversion takes a dozen (these
+      // loops were a sixth of the quantized kernel's time).
+      out[j] = _cvtsh_ss(std::bit_cast<uint16_t>(x[j * step]));
+#else
       out[j] = half_bits_to_float(std::bit_cast<uint16_t>(x[j * step]));
+#endif
     } else if constexpr (std::is_same_v<S, mx::bfloat16_t>) {
       out[j] = std::bit_cast<float>(static_cast<uint32_t>(std::bit_cast<uint16_t>(x[j * step])) << 16);
     } else {
@@ -506,12 +525,45 @@ void widen_strided(const void* base, int64_t first, int64_t step, int n, float* 
   }
 }
 
+// The scales or biases of n keys from element `first` of base (strides st:
+// key, group) as float32 out [groups, kBlock], 0 past n. Keys whose groups
+// lie back to back (mx.quantize's layout) are widened 8 at a time, then
+// transposed (a conversion per element took 11% of the 8-bit kernel's
+// samples, this 5%), up to kMaxGroups groups: head dims to 512 at group size 32.
+inline constexpr int kMaxGroups = 16;
+
+template <typename S>
+void widen_groups(const void* base, int64_t first, const int64_t* st, int n, int groups, float* out) {
+  if (st[3] == 1 && st[2] == groups && groups <= kMaxGroups) {
+    const S* x = static_cast<const S*>(base) + first;
+    const int count = n * groups;
+    alignas(32) float wide[kBlock * kMaxGroups];
+    int e = 0;
+    for (; e + 8 <= count; e += 8) {
+      store8(wide + e, load8(x + e));
+    }
+    widen_strided<S>(x, e, 1, count - e, wide + e);
+    for (int g = 0; g < groups; ++g) {
+      for (int j = 0; j < n; ++j) {
+        out[g * kBlock + j] = wide[j * groups + g];
+      }
+    }
+  } else {
+    for (int g = 0; g < groups; ++g) {
+      widen_strided<S>(base, first + g * st[3], st[2], n, out + g * kBlock);
+    }
+  }
+  for (int g = 0; g < groups; ++g) {
+    std::fill(out + g * kBlock + n, out + (g + 1) * kBlock, 0.0f);
+  }
+}
+
 // Points rows at the packed rows [t, t + n) of (b, h) of the keys (side 0)
 // or values (side 1) and widens their scales and biases into s.sb; rows n to
-// the next multiple of 4 repeat row n - 1 (as load_block), and their scales
-// and biases are 0. Returns the rows one block on, for the loops to request
-// from memory a row at a time (a burst of requests stalls on the core's miss
-// buffers); none for gathered rows.
+// the next multiple of 8 repeat row n - 1 (load_block pads to 4), and their
+// scales and biases are 0. Returns the rows one block on, for the loops to
+// request from memory a row at a time (a burst of requests stalls on the
+// core's miss buffers); none for gathered rows.
 template <int Bits>
 Lookahead load_quantized_block(const DecodeArgs& a, int side, int b, int h, int t, int n, int end,
                                QuantizedScratch& s, const uint32_t** rows) {
@@ -531,7 +583,7 @@ Lookahead load_quantized_block(const DecodeArgs& a, int side, int b, int h, int 
     }
     rows[j] = copy;
   }
-  for (int j = n; j % 4 != 0; ++j) {
+  for (int j = n; j % 8 != 0; ++j) {
     rows[j] = rows[n - 1];
   }
   for (int kind = 0; kind < 2; ++kind) {
@@ -539,20 +591,16 @@ Lookahead load_quantized_block(const DecodeArgs& a, int side, int b, int h, int 
     const int64_t* st = kind ? qr.biases_stride[side] : qr.scales_stride[side];
     float* out = s.sb.data() + (2 * side + kind) * groups * kBlock;
     const int64_t first = b * st[0] + h * st[1] + int64_t{t} * st[2];
-    for (int g = 0; g < groups; ++g) {
-      float* o = out + g * kBlock;
-      switch (qr.scales_dtype) {
-        case Dtype::float16:
-          widen_strided<mx::float16_t>(base, first + g * st[3], st[2], n, o);
-          break;
-        case Dtype::bfloat16:
-          widen_strided<mx::bfloat16_t>(base, first + g * st[3], st[2], n, o);
-          break;
-        case Dtype::float32:
-          widen_strided<float>(base, first + g * st[3], st[2], n, o);
-          break;
-      }
-      std::fill(o + n, o + kBlock, 0.0f);
+    switch (qr.scales_dtype) {
+      case Dtype::float16:
+        widen_groups<mx::float16_t>(base, first, st, n, groups, out);
+        break;
+      case Dtype::bfloat16:
+        widen_groups<mx::bfloat16_t>(base, first, st, n, groups, out);
+        break;
+      case Dtype::float32:
+        widen_groups<float>(base, first, st, n, groups, out);
+        break;
     }
   }
   if (stride[3] != 1) {
@@ -570,9 +618,9 @@ inline void prefetch_packed_row(const uint32_t* row, int j, int words, Lookahead
   }
 }
 
-// Scores of the R query rows (scaled float32 qs [R, Dp], group sums qsum)
-// against the packed keys [t, t + n) of (b, h).
-template <int Bits, int D>
+// Scores of the R query rows (scaled float32 qs [R, Dp], group sums qsum;
+// Integer: s.qwords and s.qscale) against the packed keys [t, t + n) of (b, h).
+template <int Bits, int D, bool Integer>
 void score_quantized_block(const DecodeArgs& a, const float* qs, int b, int h, int t, int n, int end, float* scores,
                            QuantizedScratch& s) {
   const int Dp = D ? D : a.Dp, groups = a.quant.groups(a.D);
@@ -581,9 +629,30 @@ void score_quantized_block(const DecodeArgs& a, const float* qs, int b, int h, i
   const uint32_t* rows[kBlock];
   const Lookahead ahead = load_quantized_block<Bits>(a, 0, b, h, t, n, end, s, rows);
   const float* qsum = s.qsum.data();
+  const int16_t* qwords = s.qwords.data();
+  const float* qscale = s.qscale.data();
+  int32_t* sums = s.sums.data();
   const float* scales = s.sb.data();
   const float* biases = scales + groups * kBlock;
   const int words = a.D * Bits / 32, group_size = a.quant.group_size;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (Integer) {
+    // 8 (query row, key) sums per tile, for reduce_8: 4 rows x 2 keys, 2 x 4 or 1 x 8.
+    for (int j = 0; j < n; j += 8) {
+      for (int c = 0; c < 8; ++c) {
+        prefetch_packed_row(rows[j + c], j + c, words, ahead);
+      }
+      for_row_tiles<4>(a.rows(), [&]<int H>(int r) {
+        for (int c = j; c < j + 8; c += 8 / H) {
+          dot_rows_integer<Bits, D, H, 8 / H>(qwords + r * Dp, rows + c, sums + r * groups * kBlock + c, kBlock, Dp,
+                                              group_size);
+        }
+      });
+    }
+    integer_scores(sums, qscale, qsum, scales, biases, a.rows(), groups, kBlock, n, scores);
+    return;
+  }
+#endif
   for (int j = 0; j < n; j += kQuantKeys) {
     for (int c = 0; c < kQuantKeys; ++c) {
       prefetch_packed_row(rows[j + c], j + c, words, ahead);
@@ -613,16 +682,16 @@ void accumulate_quantized_block(const DecodeArgs& a, int b, int h, int t, int n,
       const float* sg = scales + g * kBlock;
       const float* bg = biases + g * kBlock;
       float sum = 0.0f;
-      for (int j = 0; j < n; ++j) {
-        ws[j] = wr[j] * sg[j];
-      }
       if (masked) {
         // A key outside the row's range adds nothing, not 0 * NaN.
         for (int j = 0; j < n; ++j) {
-          sum += masks[r] >> j & 1u ? wr[j] * bg[j] : 0.0f;
+          const bool in = masks[r] >> j & 1u;
+          ws[j] = in ? wr[j] * sg[j] : 0.0f;
+          sum += in ? wr[j] * bg[j] : 0.0f;
         }
       } else {
         for (int j = 0; j < n; ++j) {
+          ws[j] = wr[j] * sg[j];
           sum += wr[j] * bg[j];
         }
       }
@@ -633,18 +702,12 @@ void accumulate_quantized_block(const DecodeArgs& a, int b, int h, int t, int n,
   const float* ws = s.ws.data();
   const float* bias_sum = s.bias_sum.data();
   const int words = a.D * Bits / 32, group_size = a.quant.group_size;
-  auto tile = [&]<bool Masked>() {
-    for_row_tiles<4>(R, [&]<int H>(int r) {
-      accumulate_rows_quantized<Bits, D, H, Masked>(acc + r * Dp, alpha + r, ws + r * groups * kBlock, kBlock,
-                                                    bias_sum + r * groups, rows, n, Dp, group_size, masks + r,
-                                                    words, r == 0 ? ahead : Lookahead{});
-    });
-  };
-  if (masked) {
-    tile.template operator()<true>();
-  } else {
-    tile.template operator()<false>();
-  }
+  // Masked keys weigh 0 in ws and bias_sum, and their integers are finite: no mask needed.
+  for_row_tiles<4>(R, [&]<int H>(int r) {
+    accumulate_rows_quantized<Bits, D, H>(acc + r * Dp, alpha + r, ws + r * groups * kBlock, kBlock,
+                                          bias_sum + r * groups, rows, n, Dp, group_size, words,
+                                          r == 0 ? ahead : Lookahead{});
+  });
 }
 
 // One KV head of a work item: where its key and value rows live, its
@@ -764,7 +827,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
   QuantizedScratch& quantized = tls_quantized;
   if constexpr (Bits != 0) {
     const int groups = a.quant.groups(a.D);
-    quantized.reserve(R, a.D * Bits / 32, groups);
+    quantized.reserve(R, a.D * Bits / 32, groups, Dp);
     // Scaled float32 queries and their sums per group, the second term of q . k.
     load_queries<T, D, false>(a, c, passes[0].qs, nullptr);
     passes[0].vector_queries = true;
@@ -772,6 +835,10 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
       for (int g = 0; g < groups; ++g) {
         const float* q = passes[0].qs + r * Dp + g * a.quant.group_size;
         quantized.qsum[r * groups + g] = std::accumulate(q, q + a.quant.group_size, 0.0f);
+        if constexpr (kScoresOnIntegers<T>) {
+          quantized.qscale[r * groups + g] =
+              query_words<Bits>(q, a.quant.group_size, quantized.qwords.data() + r * Dp + g * a.quant.group_size);
+        }
       }
     }
   } else {
@@ -822,7 +889,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
       // time (four with the bfloat16 dot product).
       uint32_t valid = n == 32 ? ~0u : (1u << n) - 1; // positions that hold a key
       if constexpr (Bits != 0) {
-        score_quantized_block<Bits, D>(a, qs, c.b, c.h, t, n, t1, scores, quantized);
+        score_quantized_block<Bits, D, kScoresOnIntegers<T>>(a, qs, c.b, c.h, t, n, t1, scores, quantized);
       } else {
         if (paged_heads && i > 0) {
           shift_rows(0, i, n);

@@ -43,7 +43,8 @@ bool supported(Isa isa) {
     case Isa::avx512bf16:
 #if defined(MBD_HAS_AVX512BF16) && (defined(__x86_64__) || defined(_M_X64))
       return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
+          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16") &&
+          __builtin_cpu_supports("avx512vnni");
 #else
       return false;
 #endif

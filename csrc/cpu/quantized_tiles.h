@@ -4,9 +4,12 @@
 // weighted sum of value rows. The integers are widened to float32 in
 // registers; no row is dequantized to memory.
 //
-// Generic vector code: with 8 lanes where AVX-512 is missing, else 16.
+// Generic vector code: with 8 lanes where AVX-512 is missing, else 16; and
+// with AVX512-VNNI, scores of 16-bit queries on int16 words (dot_rows_integer).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -164,16 +167,186 @@ inline void dot_rows_quantized(
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Scores of 16-bit queries on the keys' integers: each query group as int16
+// words with a scale of its own (query_words), keys widened to int16, and
+// vpdpwssd's products summed exactly in int32 over the group. Exact enough:
+// a query element is off by at most half its group's step, max |q_g| / 65534
+// (below float16's own rounding for elements above max |q_g| / 16), so
+// |score error| <= sum_g max |q_g| / 65534 * |s_g| * sum_{e in g} w_e; a
+// key element's own quantization step is max |k_g - b_g| / 255 (8-bit) or / 15.
+// float32 queries keep the float32 loops: that bound is above their rounding.
+inline constexpr bool kIntegerScores = true;
+
+// Elements per int16 register; every group size (32, 64, 128) is a multiple.
+inline constexpr int kWordLanes = 32;
+
+// Where element e of a row sits among the int16 words of its 32-element
+// chunk: in order for 8-bit keys; for 4-bit keys, the 16 low nibbles of the
+// chunk's bytes, then the 16 high ones (the order widen_words gives).
+template <int Bits>
+constexpr int word_position(int e) {
+  const int i = e % kWordLanes;
+  return e - i + (Bits == 8 ? i : i / 2 + (i % 2) * (kWordLanes / 2));
+}
+
+// One group of a scaled float32 query row, q [group_size], as int16 words in
+// word_position order; returns the group's scale (q ~ scale * words). A group
+// of zeros has scale 0; a non-finite element gives a NaN scale, so that the
+// scores are NaN as the float32 loops' would be.
+template <int Bits>
+inline float query_words(const float* q, int group_size, int16_t* words) {
+  float peak = 0.0f;
+#pragma omp simd reduction(max : peak)
+  for (int e = 0; e < group_size; ++e) {
+    peak = std::max(peak, std::fabs(q[e]));
+  }
+  if (!std::isfinite(peak)) {
+    std::fill(words, words + group_size, int16_t{0});
+    return NAN;
+  }
+  const float to_words = peak > 0.0f ? 32767.0f / peak : 0.0f;
+  for (int e = 0; e < group_size; ++e) {
+    // |q[e] * to_words| <= 32767 up to rounding: the clamp keeps it in int16.
+    const float word = std::clamp(std::nearbyint(q[e] * to_words), -32767.0f, 32767.0f);
+    words[word_position<Bits>(e)] = static_cast<int16_t>(word);
+  }
+  return peak / 32767.0f;
+}
+
+// Elements i .. i + 31 (i a multiple of 32) of a row of Bits-wide integers
+// as int16 words, in word_position order.
+template <int Bits>
+inline __m512i widen_words(const uint32_t* row, int i) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row) + static_cast<unsigned>(i) * Bits / 8;
+  if constexpr (Bits == 8) {
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+  } else {
+    // The 16 bytes twice: low nibbles in the first 16 words, high ones in the last 16.
+    const __m512i twice = _mm512_cvtepu8_epi16(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
+    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(twice, shifts), _mm512_set1_epi16(15));
+  }
+}
+
+// out[i] = the sum of v[i]'s lanes, i < 8: 23 shuffles and adds, where 8
+// reductions take 64.
+inline void reduce_8(const __m512i (&v)[8], int32_t* out) {
+  __m512i x[4];
+  for (int i = 0; i < 4; ++i) {
+    // 256-bit halves: v[2i] folded to 8 lanes, then v[2i + 1].
+    x[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  __m512i y[2];
+  for (int i = 0; i < 2; ++i) {
+    // 128-bit lanes: v[4i] .. v[4i + 3] folded to 4 lanes each.
+    y[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  // Lane k of y[0] holds v[k] (a0..a3), of y[1] v[4 + k] (b0..b3): fold to
+  // [a0 + a2, b0 + b2, a1 + a3, b1 + b3], then to the two sums.
+  const __m512i z = _mm512_add_epi32(_mm512_unpacklo_epi32(y[0], y[1]), _mm512_unpackhi_epi32(y[0], y[1]));
+  alignas(64) int32_t sums[16];
+  _mm512_store_si512(sums, _mm512_add_epi32(z, _mm512_shuffle_epi32(z, _MM_PERM_BADC)));
+  for (int k = 0; k < 4; ++k) {
+    out[k] = sums[4 * k];
+    out[4 + k] = sums[4 * k + 1];
+  }
+}
+
+// The integer dot products of a tile of H query rows, as int16 words qw
+// [H, Dn] (query_words), with C key rows per group: sums[(h * groups + g) *
+// sums_stride + c] = dot(qw_hg, w_cg), exact. The caller applies the scales
+// once per block, 16 keys at a time (integer_scores).
+template <int Bits, int D, int H, int C>
+inline void dot_rows_integer(
+    const int16_t* qw,
+    const uint32_t* const* rows,
+    int32_t* sums,
+    int sums_stride,
+    int dim,
+    int group_size) {
+  const int Dn = D ? D : dim;
+  const int groups = Dn / group_size;
+  for (int g = 0; g < groups; ++g) {
+    __m512i s[H][C];
+    for (int h = 0; h < H; ++h) {
+      for (int c = 0; c < C; ++c) {
+        s[h][c] = _mm512_setzero_si512();
+      }
+    }
+    // At most 2 x 128 / 32 products of at most 255 * 32767 per lane: no int32 overflow.
+    for (int i = g * group_size; i < (g + 1) * group_size; i += kWordLanes) {
+      __m512i k[C];
+      for (int c = 0; c < C; ++c) {
+        k[c] = widen_words<Bits>(rows[c], i);
+      }
+      for (int h = 0; h < H; ++h) {
+        __m512i qh = _mm512_loadu_si512(qw + h * Dn + i);
+        asm("" : "+v"(qh)); // one load for the C keys (see in_register)
+        for (int c = 0; c < C; ++c) {
+          s[h][c] = _mm512_dpwssd_epi32(s[h][c], k[c], qh);
+        }
+      }
+    }
+    int32_t out[H][C];
+    if constexpr (H * C == 8) {
+      reduce_8(reinterpret_cast<const __m512i(&)[8]>(s), &out[0][0]);
+    } else {
+      for (int h = 0; h < H; ++h) {
+        for (int c = 0; c < C; ++c) {
+          out[h][c] = _mm512_reduce_add_epi32(s[h][c]);
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      for (int c = 0; c < C; ++c) {
+        sums[(h * groups + g) * sums_stride + c] = out[h][c];
+      }
+    }
+  }
+}
+
+// Scores of R query rows from their integer dot products sums [R, groups,
+// block] (dot_rows_integer) for keys j < n: scores[r * block + j] = sum over
+// groups g of scales[g][j] * qscale[r][g] * sums[r][g][j] + biases[g][j] *
+// qsum[r][g], scales and biases [groups, block].
+inline void integer_scores(const int32_t* sums, const float* qscale, const float* qsum, const float* scales,
+                           const float* biases, int R, int groups, int block, int n, float* scores) {
+  for (int r = 0; r < R; ++r) {
+    float* out = scores + r * block;
+#pragma omp simd
+    for (int j = 0; j < n; ++j) {
+      out[j] = 0.0f;
+    }
+    for (int g = 0; g < groups; ++g) {
+      const int32_t* sg = sums + (r * groups + g) * block;
+      const float qs = qscale[r * groups + g], qb = qsum[r * groups + g];
+      const float* kg = scales + g * block;
+      const float* bg = biases + g * block;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) {
+        out[j] += static_cast<float>(sg[j]) * (kg[j] * qs) + bg[j] * qb;
+      }
+    }
+  }
+}
+
+#else
+inline constexpr bool kIntegerScores = false;
+#endif
+
 // Weighted value rows of integers into the rescaled accumulators of a tile of
 // H query rows: acc[h] = alpha[h] * acc[h] + bias_sum[h * groups + g] +
 // sum_j ws[(h * groups + g) * ws_stride + j] * w_j, element by element, g the
 // group of the element, j < n, where ws holds each row's softmax weight times
 // the row's scale of the group and bias_sum the weighted biases of the group.
 // As accumulate_rows, a slice of acc stays in registers over all n rows;
-// slices are at most 32 elements, so that each lies in one group. Masked:
-// row j joins acc[h] only where bit j of masks[h] is set. The first slice
-// requests the lines of each row's successor (words per row), see Lookahead.
-template <int Bits, int D, int H, bool Masked>
+// slices are at most 32 elements, so that each lies in one group. The first
+// slice requests the lines of each row's successor (words per row), see Lookahead.
+template <int Bits, int D, int H>
 inline void accumulate_rows_quantized(
     float* acc,
     const float* alpha,
@@ -184,7 +357,6 @@ inline void accumulate_rows_quantized(
     int n,
     int dim,
     int group_size,
-    const uint32_t* masks,
     int words,
     Lookahead ahead) {
   // Vectors per slice: at most 32 elements, and dividing the row.
@@ -211,11 +383,6 @@ inline void accumulate_rows_quantized(
         v[c] = widen<Bits>(rows[j], i + kLanes * c);
       }
       for (int h = 0; h < H; ++h) {
-        if constexpr (Masked) {
-          if (!(masks[h] >> j & 1u)) {
-            continue;
-          }
-        }
         const qvec wh = qsplat(ws[(h * groups + g) * ws_stride + j]);
         for (int c = 0; c < W; ++c) {
           a[h][c] += wh * v[c];

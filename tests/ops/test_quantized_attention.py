@@ -188,6 +188,35 @@ def test_every_instruction_set(isa):
         mbd._ext.set_cpu_isa(previous)
 
 
+@pytest.mark.parametrize("isa", mbd._ext.cpu_isas())
+@pytest.mark.parametrize("bits", [4, 8])
+def test_query_words_cost_far_less_than_the_quantization(isa, bits):
+    """With 16-bit queries the variants with AVX512-VNNI score keys on their integers, the queries
+    as int16 words with a scale per group, each element off by up to max |q_g| / 65534. A query
+    element 100x the rest of its group makes that step largest: the error it adds must stay far
+    below what quantizing the keys and values costs against the unquantized ones (under 5%)."""
+    rng = np.random.default_rng(bits)
+    B, D, gs = len(LENGTHS), 128, 64
+    q = rng.standard_normal((B, 8, 1, D)).astype(np.float32)
+    q[..., ::gs] *= 100
+    q = mx.array(q).astype(mx.float16)
+    k = mx.array(rng.standard_normal((B, 2, T, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((B, 2, T, D)).astype(np.float32))
+    kq, vq = quantized(k, gs, bits, mx.float16), quantized(v, gs, bits, mx.float16)
+    want = expected(q, kq, vq, LENGTHS, gs, bits)
+    unquantized = float64_attention(to_numpy64(q), to_numpy64(k), to_numpy64(v),
+                                    np.asarray(LENGTHS, dtype=np.int64), D ** -0.5, None, None, None)
+    quantization_cost = float(np.max(np.abs(want - unquantized)))
+    previous = mbd._ext.cpu_isa()
+    mbd._ext.set_cpu_isa(isa)
+    try:
+        out = mbd.quantized_batched_decode_attention(q, kq, vq, mx.array(LENGTHS), group_size=gs, bits=bits)
+    finally:
+        mbd._ext.set_cpu_isa(previous)
+    err = float(np.max(np.abs(to_numpy64(out) - want)))
+    assert err < 0.05 * quantization_cost, (err, quantization_cost)
+
+
 def test_fallback_matches_the_kernel():
     """vjp, jvp and vmap run the plain-MLX fallback (mx.dequantize + reference_attention)."""
     q, kq, vq, _, _ = case(mx.float32, 64, 2, 1, 32, 8, seed=2)
