@@ -126,7 +126,7 @@ def test_batch_generate_greedy_equals_mlx_lm(models, family):
         stats = plugin.stats()
         # A mask's tag lives as long as the mask: a long-running server does not accumulate them.
         gc.collect()
-        assert len(patches._active.tags._tags) <= 2 * layers
+        assert len(patches._switch.active.tags._tags) <= 2 * layers
     calls = _ext.cpu_kernel_calls() - kernel_calls
     # The op ran for every call it served, but the last layer of a step whose logits mlx-lm
     # never reads (the layers before it feed the cache of the next one).

@@ -16,11 +16,10 @@ imported since. The plug-in reads private fields of mlx-lm's batch caches (``_id
 from __future__ import annotations
 
 import sys
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager
 
+from ..switch import PluginSwitch
 from .mask_tags import MaskTags, tagging_batch_kv_make_mask, tagging_batch_rotating_make_mask
 from .routing import PREFIX, DecodeRouter, PluginStats
 
@@ -87,8 +86,7 @@ def _modules_binding(function: Any) -> list[Any]:
     ]
 
 
-_lock = threading.Lock()
-_active: Optional[_Plugin] = None
+_switch: PluginSwitch[_Plugin] = PluginSwitch(PREFIX)
 
 
 def enable(*, wrapped_rings: bool = True) -> None:
@@ -103,48 +101,34 @@ def enable(*, wrapped_rings: bool = True) -> None:
     enabled with the other one, and for an mlx-lm version other than the one the plug-in was
     checked against.
     """
-    global _active
-    with _lock:
-        if _active is None:
-            _active = _Plugin(wrapped_rings)
-        elif _active.router.wrapped_rings != wrapped_rings:
+
+    def same_rings(active: _Plugin) -> None:
+        if active.router.wrapped_rings != wrapped_rings:
             raise ValueError(
-                f"{PREFIX} already enabled with wrapped_rings={_active.router.wrapped_rings}: "
+                f"{PREFIX} already enabled with wrapped_rings={active.router.wrapped_rings}: "
                 "disable() it first"
             )
+
+    _switch.turn_on(lambda: _Plugin(wrapped_rings), same_rings)
 
 
 def disable() -> None:
     """Restore every function and method ``enable()`` replaced. Does nothing if not enabled."""
-    global _active
-    with _lock:
-        if _active is not None:
-            _active.restore()
-            _active = None
+    _switch.turn_off()
 
 
 def is_enabled() -> bool:
     """Whether the plug-in is on."""
-    return _active is not None
+    return _switch.active is not None
 
 
-@contextmanager
-def enabled(*, wrapped_rings: bool = True) -> Iterator[None]:
+def enabled(*, wrapped_rings: bool = True) -> ContextManager[None]:
     """``with enabled(): ...`` runs the block with the plug-in on (``wrapped_rings`` as
     ``enable``'s); it is turned off after the block unless it was already on before."""
-    was_enabled = is_enabled()
-    enable(wrapped_rings=wrapped_rings)
-    try:
-        yield
-    finally:
-        if not was_enabled:
-            disable()
+    return _switch.on_during(lambda: enable(wrapped_rings=wrapped_rings))
 
 
 def stats() -> PluginStats:
     """A copy of the counts since the last ``enable()``: which attention calls the op served and
     which stayed on mlx-lm's path. Raises ``ValueError`` when not enabled."""
-    plugin = _active
-    if plugin is None:
-        raise ValueError(f"{PREFIX} stats() needs the plug-in enabled")
-    return replace(plugin.router.stats)
+    return replace(_switch.require("stats()").router.stats)

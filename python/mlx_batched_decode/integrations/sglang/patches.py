@@ -16,12 +16,11 @@ packages import it: where they do not import (torch missing), ``enable()`` raise
 from __future__ import annotations
 
 import importlib
-import threading
-from contextlib import contextmanager
 from dataclasses import replace
 from importlib import metadata
-from typing import Iterator, Optional
+from typing import ContextManager
 
+from ..switch import PluginSwitch
 from .decode import ragged_batched_decode
 from .routing import PREFIX, DecodeRoutes, PluginStats
 
@@ -64,8 +63,7 @@ class _Plugin:
         setattr(self.owner, _METHOD, self.original)
 
 
-_lock = threading.Lock()
-_active: Optional[_Plugin] = None
+_switch: PluginSwitch[_Plugin] = PluginSwitch(PREFIX)
 
 
 def enable() -> None:
@@ -76,43 +74,26 @@ def enable() -> None:
     one the plug-in was checked against, ``ImportError`` when SGLang is not installed or its MLX
     backend does not import.
     """
-    global _active
-    with _lock:
-        if _active is None:
-            _active = _Plugin()
+    _switch.turn_on(_Plugin)
 
 
 def disable() -> None:
     """Restore SGLang's ``_batched_decode``. Does nothing if not enabled."""
-    global _active
-    with _lock:
-        if _active is not None:
-            _active.restore()
-            _active = None
+    _switch.turn_off()
 
 
 def is_enabled() -> bool:
     """Whether the plug-in is on."""
-    return _active is not None
+    return _switch.active is not None
 
 
-@contextmanager
-def enabled() -> Iterator[None]:
+def enabled() -> ContextManager[None]:
     """``with enabled(): ...`` runs the block with the plug-in on; it is turned off after the
     block unless it was already on before."""
-    was_enabled = is_enabled()
-    enable()
-    try:
-        yield
-    finally:
-        if not was_enabled:
-            disable()
+    return _switch.on_during(enable)
 
 
 def stats() -> PluginStats:
     """A copy of the counts since the last ``enable()``: which decode attention calls the op
     served and which stayed on SGLang's path. Raises ``ValueError`` when not enabled."""
-    plugin = _active
-    if plugin is None:
-        raise ValueError(f"{PREFIX} stats() needs the plug-in enabled")
-    return replace(plugin.routes.stats)
+    return replace(_switch.require("stats()").routes.stats)
