@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "cpu/decode_args.h"
+#include "cpu/vector_math.h"
 #include "mlx/types/half_types.h"
 
 namespace mlx_batched_decode::cpu::amx {
@@ -323,28 +324,6 @@ inline void scores(const Scratch& s, const uint16_t* keys, int64_t k_stride, int
   }
   _tile_stored(0, out, 64);
   _tile_stored(1, out + 16 * kRows, 64);
-}
-
-// exp on 16 lanes, the algorithm of vector_math.h's exp8 with AVX-512 masks:
-// Cephes' polynomial, ~1 ulp; NaN stays NaN; x < -87.3 (-inf included) gives 0.
-inline __m512 exp16(__m512 x) {
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
-  const __m512 v = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  // k = round(v / ln 2): adding 1.5 * 2^23 leaves k in the low mantissa bits.
-  const __m512 shifted = _mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504089f), _mm512_set1_ps(12582912.0f));
-  const __m512 k = _mm512_sub_ps(shifted, _mm512_set1_ps(12582912.0f));
-  const __m512i k_int = _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_castps_si512(_mm512_set1_ps(12582912.0f)));
-  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512 two_k = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k_int, _mm512_set1_epi32(127)), 23));
-  return _mm512_mask_blend_ps(nan, _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, two_k), x);
 }
 
 // Online softmax of one block on the 16 rows of a group, lane r = row g*16 + r:

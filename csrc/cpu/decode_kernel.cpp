@@ -26,7 +26,7 @@ namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 namespace {
 
 // Keys scored before the accumulator is rescaled: one rescale per block
-// instead of one per key. A multiple of 8, the width of softmax_block.
+// instead of one per key. A multiple of 16, the width of softmax_block.
 constexpr int kBlock = 32;
 static_assert(kBlock == 32, "a block's keys are the bits of one uint32_t mask");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();

@@ -7,6 +7,10 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace mlx_batched_decode::cpu {
 
 // Eight floats in one vector; GCC and Clang lower it to the widest SIMD the
@@ -80,6 +84,63 @@ inline f32x8 max8(f32x8 a, f32x8 b) {
   return select(a < b, b, a);
 }
 
+#if defined(__AVX512F__)
+// exp on 16 lanes, the algorithm of vector_math.h's exp8 with AVX-512 masks:
+// Cephes' polynomial, ~1 ulp; NaN stays NaN; x < -87.3 (-inf included) gives 0.
+inline __m512 exp16(__m512 x) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+  const __m512 v = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  // k = round(v / ln 2): adding 1.5 * 2^23 leaves k in the low mantissa bits.
+  const __m512 shifted = _mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504089f), _mm512_set1_ps(12582912.0f));
+  const __m512 k = _mm512_sub_ps(shifted, _mm512_set1_ps(12582912.0f));
+  const __m512i k_int = _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_castps_si512(_mm512_set1_ps(12582912.0f)));
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512 two_k = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k_int, _mm512_set1_epi32(127)), 23));
+  return _mm512_mask_blend_ps(nan, _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, two_k), x);
+}
+
+// One block of the online softmax of one head over scores x[0, n).
+// Updates the running max m and sum l, turns x into weights exp(x - m_new)
+// and returns alpha = exp(m_old - m_new), the factor for the old accumulator.
+// x must have room for n rounded up to 16; lanes past n are set to weight 0.
+// 16 lanes where AVX-512 has them: half the instructions of 8.
+inline float softmax_block(float* x, int n, float& m, float& l) {
+  const float neg_inf = -INFINITY;
+  const int n16 = (n + 15) & ~15;
+  for (int j = n; j < n16; ++j) {
+    x[j] = neg_inf;
+  }
+  __m512 mv = _mm512_set1_ps(m);
+  for (int j = 0; j < n16; j += 16) {
+    // NaN scores do not become the max, like std::max(m, NaN).
+    const __m512 v = _mm512_loadu_ps(x + j);
+    mv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mv, v, _CMP_LT_OQ), mv, v);
+  }
+  const float m_new = _mm512_reduce_max_ps(mv);
+  // A -inf score (or max) must give weight 0, not exp(-inf + inf) = NaN.
+  const float alpha = m == neg_inf ? 0.0f : std::exp(m - m_new);
+  const __m512 mn = _mm512_set1_ps(m_new);
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < n16; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    const __mmask16 outside = _mm512_cmp_ps_mask(v, _mm512_set1_ps(neg_inf), _CMP_EQ_OQ);
+    const __m512 w = exp16(_mm512_mask_sub_ps(v, static_cast<__mmask16>(~outside), v, mn));
+    _mm512_storeu_ps(x + j, w);
+    sum = _mm512_add_ps(sum, w);
+  }
+  l = l * alpha + _mm512_reduce_add_ps(sum);
+  m = m_new;
+  return alpha;
+}
+#else
 // One block of the online softmax of one head over scores x[0, n).
 // Updates the running max m and sum l, turns x into weights exp(x - m_new)
 // and returns alpha = exp(m_old - m_new), the factor for the old accumulator.
@@ -111,6 +172,7 @@ inline float softmax_block(float* x, int n, float& m, float& l) {
   m = m_new;
   return alpha;
 }
+#endif
 
 inline void axpy(float* __restrict y, float a, const float* __restrict x, int n) {
 #pragma omp simd
