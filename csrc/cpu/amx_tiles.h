@@ -36,7 +36,7 @@
 #include "cpu/vector_math.h"
 #include "mlx/types/half_types.h"
 
-namespace mlx_batched_decode::cpu::amx {
+namespace mlx_batched_decode::cpu::MBD_CPU_ISA::amx {
 
 namespace mx = mlx::core;
 
@@ -433,6 +433,6 @@ inline void accumulate(Scratch& s, int Dp, bool values_split, float* acc, __m512
   }
 }
 
-} // namespace mlx_batched_decode::cpu::amx
+} // namespace mlx_batched_decode::cpu::MBD_CPU_ISA::amx
 
 #endif

@@ -16,7 +16,7 @@
 #include <immintrin.h>
 #endif
 
-namespace mlx_batched_decode::cpu {
+namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 
 namespace mx = mlx::core;
 
@@ -92,4 +92,4 @@ inline void store8(mx::bfloat16_t* p, f32x8 v) {
   std::memcpy(p, &narrow, sizeof(narrow));
 }
 
-} // namespace mlx_batched_decode::cpu
+} // namespace mlx_batched_decode::cpu::MBD_CPU_ISA

@@ -1,5 +1,9 @@
 // The CPU decode attention kernel. This file is compiled once per instruction
-// set (see CMakeLists.txt); MBD_CPU_ISA names the namespace of each copy.
+// set (see CMakeLists.txt); MBD_CPU_ISA names the namespace of each copy. The
+// headers of its loops (vector_math.h, convert.h, lanes.h, tiles.h,
+// quantized_tiles.h, amx_tiles.h, row_source.h) open that namespace too: their
+// inline functions differ per build, and a copy the compiler leaves out of
+// line must not serve another build (the linker keeps one per name).
 #include <algorithm>
 #include <bit>
 #include <cmath>

@@ -26,7 +26,7 @@
 #include <immintrin.h>
 #endif
 
-namespace mlx_batched_decode::cpu {
+namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 
 // The four horizontal sums of v[0..3], as {sum8(v[0]), ..., sum8(v[3])}.
 // A tree of pairwise adds: about two instructions per sum instead of seven.
@@ -67,7 +67,7 @@ struct Lanes8 {
     store8(p, v);
   }
   static Acc splat(float s) {
-    return cpu::splat(s);
+    return MBD_CPU_ISA::splat(s);
   }
   static Acc mul(Acc a, Acc b) {
     return a * b;
@@ -150,4 +150,4 @@ struct Bf16Pairs {
 };
 #endif
 
-} // namespace mlx_batched_decode::cpu
+} // namespace mlx_batched_decode::cpu::MBD_CPU_ISA

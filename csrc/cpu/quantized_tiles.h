@@ -16,7 +16,7 @@
 #include "cpu/tiles.h"
 #include "cpu/vector_math.h"
 
-namespace mlx_batched_decode::cpu {
+namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 
 // The loops' float32 vector: 16 lanes where AVX-512 has them (half the
 // instructions per element: these loops are bound by arithmetic, not
@@ -397,4 +397,4 @@ inline void accumulate_rows_quantized(
   }
 }
 
-} // namespace mlx_batched_decode::cpu
+} // namespace mlx_batched_decode::cpu::MBD_CPU_ISA

@@ -7,7 +7,7 @@
 
 #include "cpu/decode_args.h"
 
-namespace mlx_batched_decode::cpu {
+namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 
 template <typename T>
 struct RowSource {
@@ -83,4 +83,4 @@ inline bool holds_key(const DecodeArgs& a, int b, KeyRange r) {
   return false;
 }
 
-} // namespace mlx_batched_decode::cpu
+} // namespace mlx_batched_decode::cpu::MBD_CPU_ISA

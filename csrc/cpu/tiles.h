@@ -8,7 +8,7 @@
 
 #include "cpu/lanes.h"
 
-namespace mlx_batched_decode::cpu {
+namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 
 // The rows to request from memory while a tile runs: row j of the tile has a
 // successor `offset` elements further on (offsets[j] when offsets is set: a
@@ -146,4 +146,4 @@ inline void accumulate_rows(
   }
 }
 
-} // namespace mlx_batched_decode::cpu
+} // namespace mlx_batched_decode::cpu::MBD_CPU_ISA

@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #endif
 
-namespace mlx_batched_decode::cpu {
+namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 
 // Eight floats in one vector; GCC and Clang lower it to the widest SIMD the
 // translation unit is compiled for (one AVX register, two SSE or NEON ones).
@@ -181,4 +181,4 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int n)
   }
 }
 
-} // namespace mlx_batched_decode::cpu
+} // namespace mlx_batched_decode::cpu::MBD_CPU_ISA
