@@ -47,12 +47,12 @@ constexpr bool kBf16Dot = false;
 #endif
 
 // The lanes of the vector loops (lanes.h): 16 in a variant compiled for
-// AVX512-FP16, for every dtype (the 8-lane loops are bound by their
-// instructions at G = 4, and on these CPUs, Intel's, the AVX512_BF16 dot
-// product costs more than they do), else 8. Score tiles hold up to
+// AVX-512, for every dtype (the 8-lane loops are bound by their instructions
+// at G = 4: on the AMD EPYC the 16-lane build takes 14-35% less CPU per key
+// than the AVX2 one), else 8. Score tiles hold up to
 // kScoreRows query rows: 4 on 16 lanes (4H accumulators, 4 keys and a query
 // fit the 32 registers), 2 on 8.
-#if defined(__AVX512FP16__)
+#if defined(__AVX512F__)
 using VectorLanes = Lanes16;
 constexpr int kScoreRows = 4;
 #else

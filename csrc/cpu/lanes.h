@@ -2,8 +2,8 @@
 // loops are written once and take one of these as their lane width.
 //   Lanes8     8 float32 lanes (vector_math.h's f32x8: one AVX register, two
 //              SSE or NEON ones); float16 and bfloat16 rows widened in registers
-//   Lanes16    16 float32 lanes, in a variant compiled for AVX512-FP16;
-//              float16 widened by VCVTPH2PSX, bfloat16 by a shift (both exact)
+//   Lanes16    16 float32 lanes, in a variant compiled for AVX-512;
+//              float16 widened by VCVTPH2PS, bfloat16 by a shift (both exact)
 //   Bf16Pairs  the AVX512_BF16 dot product: bfloat16 rows and queries, 16
 //              pairs multiplied exactly and added into 8 float32 lanes per
 //              instruction (scores only)
@@ -74,7 +74,7 @@ struct Lanes8 {
   }
 };
 
-#if defined(__AVX512FP16__)
+#if defined(__AVX512F__)
 struct Lanes16 {
   using Acc = __m512;
   using Row = __m512;
@@ -88,7 +88,7 @@ struct Lanes16 {
     return _mm512_loadu_ps(p);
   }
   static __m512 widen(const mx::float16_t* p) {
-    return _mm512_cvtxph_ps(_mm256_loadu_ph(p));
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   // A bfloat16 is the high half of the float32 of the same value.
   static __m512 widen(const mx::bfloat16_t* p) {

@@ -14,9 +14,8 @@ import statistics
 from .. import _ext
 
 # The float32 vector width of each CPU kernel variant's arithmetic (csrc/cpu/lanes.h): 16 lanes
-# only where AVX512-FP16 widens 16-bit rows into them; the AVX512_BF16 variant's float32 work
-# runs on 8 lanes (its AVX-512 registers serve the bfloat16 dot product and the quantized tiles).
-KERNEL_FMA_WIDTH = {"baseline": "baseline", "avx2": "avx2", "avx512bf16": "avx2", "avx512fp16": "avx512", "amx": "avx512"}
+# in every AVX-512 variant, 8 in the AVX2 one.
+KERNEL_FMA_WIDTH = {"baseline": "baseline", "avx2": "avx2", "avx512bf16": "avx512", "avx512fp16": "avx512", "amx": "avx512"}
 
 
 def kernel_fma_width(isa: str | None = None) -> str:
