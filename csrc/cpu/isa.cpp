@@ -135,8 +135,7 @@ KernelFns kernel_fns(Dtype dtype, int head_dim) {
 #endif
 #if defined(MBD_HAS_AVX512BF16)
     case Isa::avx512bf16:
-      return avx512bf16::kCompiled.dense(dtype) ? avx512bf16::kernel_fns(dtype, head_dim)
-                                                : avx2::kernel_fns(dtype, head_dim);
+      return avx512bf16::kernel_fns(dtype, head_dim);
 #endif
 #if defined(MBD_HAS_AVX2)
     case Isa::avx2:
