@@ -1,6 +1,6 @@
-"""The AVX512-FP16 CPU kernel variant (rows of every dtype on 16-lane float32 vectors) against the
-float64 reference, forced with set_cpu_isa. On a CPU (or build) without it every test here is skipped, and
-says so; the contract test at the end runs on every variant this machine has."""
+"""The AVX-512 CPU kernel variants (avx512fp16 and avx512bf16: rows of every dtype on 16-lane float32
+vectors) against the float64 reference, each forced with set_cpu_isa. A variant this CPU (or build) lacks
+is skipped, and says so; the contract test at the end runs on every variant this machine has."""
 
 import mlx.core as mx
 import numpy as np
@@ -11,10 +11,15 @@ from tests.support.numerics import TOLERANCE, max_abs_error, numpy_reference
 from tests.ops.test_decode_shapes import LENGTHS, options, shape_case
 
 _ext = mbd._ext
-VARIANT = "avx512fp16"
-needs_variant = pytest.mark.skipif(
-    VARIANT not in _ext.cpu_isas(), reason=f"this build or CPU has no {VARIANT} variant (cpu_isas: {_ext.cpu_isas()})"
-)
+WIDE_VARIANTS = [
+    pytest.param(
+        isa,
+        marks=pytest.mark.skipif(
+            isa not in _ext.cpu_isas(), reason=f"this build or CPU has no {isa} variant (cpu_isas: {_ext.cpu_isas()})"
+        ),
+    )
+    for isa in ("avx512fp16", "avx512bf16")
+]
 
 
 def _forced(isa):
@@ -23,35 +28,33 @@ def _forced(isa):
     return previous
 
 
-@pytest.fixture
-def fp16_variant():
-    previous = _forced(VARIANT)
-    yield
+@pytest.fixture(params=WIDE_VARIANTS)
+def wide_variant(request):
+    previous = _forced(request.param)
+    yield request.param
     _ext.set_cpu_isa(previous)
 
 
 DTYPES = [mx.float16, mx.bfloat16, mx.float32]
 
 
-@needs_variant
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [1, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 200, 256, 512])
 @pytest.mark.parametrize("G", [1, 2, 3, 4, 8])
-def test_head_dims_and_groups(fp16_variant, dtype, D, G):
+def test_head_dims_and_groups(wide_variant, dtype, D, G):
     # Every tile height the variant picks (4, 2, 1 query rows), fast and generic head dims.
     q, k, v, k_nan, v_nan = shape_case(dtype, D, G, 1, None, None, seed=D * 10 + G)
     before = _ext.cpu_kernel_calls()
     out = _ext.batched_decode_attention(q, k_nan, v_nan, mx.array(LENGTHS))
     mx.eval(out)
-    assert _ext.cpu_isa() == VARIANT and _ext.cpu_kernel_calls() == before + 1
+    assert _ext.cpu_isa() == wide_variant and _ext.cpu_kernel_calls() == before + 1
     assert max_abs_error(out, numpy_reference(q, k, v, LENGTHS)) < TOLERANCE[dtype]
 
 
-@needs_variant
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("L", [1, 3, 4, 8])
 @pytest.mark.parametrize("case", range(7))
-def test_rows_starts_windows_sinks(fp16_variant, dtype, L, case):
+def test_rows_starts_windows_sinks(wide_variant, dtype, L, case):
     # Blocks cut by a row's range take the masked accumulation; NaN / inf where no row reads.
     starts, window, sinks = options(4)[case]
     q, k, v, k_nan, v_nan = shape_case(dtype, 128, 4, L, window, starts, seed=case * 8 + L)
@@ -63,8 +66,7 @@ def test_rows_starts_windows_sinks(fp16_variant, dtype, L, case):
     assert max_abs_error(out, expected) < TOLERANCE[dtype]
 
 
-@needs_variant
-def test_long_requests_split_into_chunks(fp16_variant):
+def test_long_requests_split_into_chunks(wide_variant):
     # Several 512-key chunks per request, merged; strided (sliced) K/V read in place.
     rng = np.random.default_rng(5)
     B, H_kv, G, T, D = 3, 2, 4, 1500, 128
@@ -76,9 +78,8 @@ def test_long_requests_split_into_chunks(fp16_variant):
     assert max_abs_error(out, numpy_reference(q, k, v, lens)) < TOLERANCE[mx.float16]
 
 
-@needs_variant
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_agrees_with_the_8_lane_kernel(fp16_variant, dtype):
+def test_agrees_with_the_8_lane_kernel(wide_variant, dtype):
     # Same float32 arithmetic in another order: the two differ by output rounding only.
     q, k, v, _, _ = shape_case(dtype, 128, 4, 1, None, None, seed=3)
     wide = _ext.batched_decode_attention(q, k, v, mx.array(LENGTHS))
