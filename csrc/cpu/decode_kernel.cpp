@@ -639,7 +639,7 @@ void score_quantized_block(const DecodeArgs& a, const float* qs, int b, int h, i
   const float* scales = s.sb.data();
   const float* biases = scales + groups * kBlock;
   const int words = a.D * Bits / 32, group_size = a.quant.group_size;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(MBD_INTEGER_SCORES)
   if constexpr (Integer) {
     // 8 (query row, key) sums per tile, for reduce_8: 4 rows x 2 keys, 2 x 4 or 1 x 8.
     for (int j = 0; j < n; j += 8) {

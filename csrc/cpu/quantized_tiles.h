@@ -5,7 +5,8 @@
 // registers; no row is dequantized to memory.
 //
 // Generic vector code: with 8 lanes where AVX-512 is missing, else 16; and
-// with AVX512-VNNI, scores of 16-bit queries on int16 words (dot_rows_integer).
+// with AVX2 or AVX512-VNNI, scores of 16-bit queries on int16 words
+// (dot_rows_integer).
 #pragma once
 
 #include <algorithm>
@@ -167,19 +168,67 @@ inline void dot_rows_quantized(
   }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVX2__)
 // Scores of 16-bit queries on the keys' integers: each query group as int16
-// words with a scale of its own (query_words), keys widened to int16, and
-// vpdpwssd's products summed exactly in int32 over the group. Exact enough:
-// a query element is off by at most half its group's step, max |q_g| / 65534
-// (below float16's own rounding for elements above max |q_g| / 16), so
-// |score error| <= sum_g max |q_g| / 65534 * |s_g| * sum_{e in g} w_e; a
-// key element's own quantization step is max |k_g - b_g| / 255 (8-bit) or / 15.
-// float32 queries keep the float32 loops: that bound is above their rounding.
+// words with a scale of its own (query_words), keys widened to int16, and the
+// products summed exactly in int32 over the group (AVX512-VNNI's vpdpwssd on
+// 32 words, or AVX2's vpmaddwd and vpaddd on 16: the same integers). Exact
+// enough: a query element is off by at most half its group's step,
+// max |q_g| / 65534 (below float16's own rounding for elements above
+// max |q_g| / 16), so |score error| <= sum_g max |q_g| / 65534 * |s_g| *
+// sum_{e in g} w_e; a key element's own quantization step is
+// max |k_g - b_g| / 255 (8-bit) or / 15. float32 queries keep the float32
+// loops: that bound is above their rounding.
+#define MBD_INTEGER_SCORES 1
 inline constexpr bool kIntegerScores = true;
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+typedef __m512i wvec;
+
+inline wvec wzero() {
+  return _mm512_setzero_si512();
+}
+
+inline wvec wload(const int16_t* p) {
+  wvec v = _mm512_loadu_si512(p);
+  asm("" : "+v"(v)); // one load for the tile's keys (see in_register)
+  return v;
+}
+
+// acc + the products of k's and q's words, summed in pairs into int32 lanes.
+inline wvec wdot(wvec acc, wvec k, wvec q) {
+  return _mm512_dpwssd_epi32(acc, k, q);
+}
+
+inline int32_t wreduce(wvec v) {
+  return _mm512_reduce_add_epi32(v);
+}
+#else
+typedef __m256i wvec;
+
+inline wvec wzero() {
+  return _mm256_setzero_si256();
+}
+
+inline wvec wload(const int16_t* p) {
+  wvec v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  asm("" : "+x"(v));
+  return v;
+}
+
+inline wvec wdot(wvec acc, wvec k, wvec q) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(k, q));
+}
+
+inline int32_t wreduce(wvec v) {
+  const __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i y = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(y, _mm_shuffle_epi32(y, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+#endif
+
 // Elements per int16 register; every group size (32, 64, 128) is a multiple.
-inline constexpr int kWordLanes = 32;
+inline constexpr int kWordLanes = sizeof(wvec) / sizeof(int16_t);
 
 // Where element e of a row sits among the int16 words of its 32-element
 // chunk: in order for 8-bit keys; for 4-bit keys, the 16 low nibbles of the
@@ -214,11 +263,12 @@ inline float query_words(const float* q, int group_size, int16_t* words) {
   return peak / 32767.0f;
 }
 
-// Elements i .. i + 31 (i a multiple of 32) of a row of Bits-wide integers
-// as int16 words, in word_position order.
+// Elements i .. i + kWordLanes - 1 (i a multiple of kWordLanes) of a row of
+// Bits-wide integers as int16 words, in word_position order.
 template <int Bits>
-inline __m512i widen_words(const uint32_t* row, int i) {
+inline wvec widen_words(const uint32_t* row, int i) {
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row) + static_cast<unsigned>(i) * Bits / 8;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if constexpr (Bits == 8) {
     return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
   } else {
@@ -228,8 +278,20 @@ inline __m512i widen_words(const uint32_t* row, int i) {
     const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     return _mm512_and_si512(_mm512_srlv_epi16(twice, shifts), _mm512_set1_epi16(15));
   }
+#else
+  if constexpr (Bits == 8) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  } else {
+    // The 8 bytes' low nibbles, then their high ones (AVX2 has no 16-bit variable shift).
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+    const __m128i low = _mm_and_si128(x, _mm_set1_epi8(15));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(x, 4), _mm_set1_epi8(15));
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(low, high));
+  }
+#endif
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // out[i] = the sum of v[i]'s lanes, i < 8: 23 shuffles and adds, where 8
 // reductions take 64.
 inline void reduce_8(const __m512i (&v)[8], int32_t* out) {
@@ -255,6 +317,18 @@ inline void reduce_8(const __m512i (&v)[8], int32_t* out) {
     out[4 + k] = sums[4 * k + 1];
   }
 }
+#else
+// out[i] = the sum of v[i]'s lanes, i < 8: 9 shuffles and adds, where 8
+// reductions take 40.
+inline void reduce_8(const __m256i (&v)[8], int32_t* out) {
+  // Within each 128-bit lane: pairs, then quads; u0 holds v[0..3]'s halves, u1 v[4..7]'s.
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  const __m256i sums =
+      _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), sums);
+}
+#endif
 
 // The integer dot products of a tile of H query rows, as int16 words qw
 // [H, Dn] (query_words), with C key rows per group: sums[(h * groups + g) *
@@ -271,33 +345,32 @@ inline void dot_rows_integer(
   const int Dn = D ? D : dim;
   const int groups = Dn / group_size;
   for (int g = 0; g < groups; ++g) {
-    __m512i s[H][C];
+    wvec s[H][C];
     for (int h = 0; h < H; ++h) {
       for (int c = 0; c < C; ++c) {
-        s[h][c] = _mm512_setzero_si512();
+        s[h][c] = wzero();
       }
     }
-    // At most 2 x 128 / 32 products of at most 255 * 32767 per lane: no int32 overflow.
+    // At most 2 x 128 / kWordLanes products of at most 255 * 32767 per lane: no int32 overflow.
     for (int i = g * group_size; i < (g + 1) * group_size; i += kWordLanes) {
-      __m512i k[C];
+      wvec k[C];
       for (int c = 0; c < C; ++c) {
         k[c] = widen_words<Bits>(rows[c], i);
       }
       for (int h = 0; h < H; ++h) {
-        __m512i qh = _mm512_loadu_si512(qw + h * Dn + i);
-        asm("" : "+v"(qh)); // one load for the C keys (see in_register)
+        const wvec qh = wload(qw + h * Dn + i);
         for (int c = 0; c < C; ++c) {
-          s[h][c] = _mm512_dpwssd_epi32(s[h][c], k[c], qh);
+          s[h][c] = wdot(s[h][c], k[c], qh);
         }
       }
     }
     int32_t out[H][C];
     if constexpr (H * C == 8) {
-      reduce_8(reinterpret_cast<const __m512i(&)[8]>(s), &out[0][0]);
+      reduce_8(reinterpret_cast<const wvec(&)[8]>(s), &out[0][0]);
     } else {
       for (int h = 0; h < H; ++h) {
         for (int c = 0; c < C; ++c) {
-          out[h][c] = _mm512_reduce_add_epi32(s[h][c]);
+          out[h][c] = wreduce(s[h][c]);
         }
       }
     }
