@@ -230,9 +230,9 @@ inline int32_t wreduce(wvec v) {
 // Elements per int16 register; every group size (32, 64, 128) is a multiple.
 inline constexpr int kWordLanes = sizeof(wvec) / sizeof(int16_t);
 
-// Where element e of a row sits among the int16 words of its 32-element
-// chunk: in order for 8-bit keys; for 4-bit keys, the 16 low nibbles of the
-// chunk's bytes, then the 16 high ones (the order widen_words gives).
+// Where element e of a row sits among the int16 words of its kWordLanes-element
+// chunk: in order for 8-bit keys; for 4-bit keys, the low nibbles of the
+// chunk's bytes, then the high ones (the order widen_words gives).
 template <int Bits>
 constexpr int word_position(int e) {
   const int i = e % kWordLanes;
@@ -319,7 +319,7 @@ inline void reduce_8(const __m512i (&v)[8], int32_t* out) {
 }
 #else
 // out[i] = the sum of v[i]'s lanes, i < 8: 9 shuffles and adds, where 8
-// reductions take 40.
+// reductions (wreduce) take 56.
 inline void reduce_8(const __m256i (&v)[8], int32_t* out) {
   // Within each 128-bit lane: pairs, then quads; u0 holds v[0..3]'s halves, u1 v[4..7]'s.
   const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
