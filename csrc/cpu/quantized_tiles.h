@@ -182,6 +182,13 @@ inline void dot_rows_quantized(
 #define MBD_INTEGER_SCORES 1
 inline constexpr bool kIntegerScores = true;
 
+// The width's primitives on int16 words: wzero; wload, one load of words
+// pinned in a register for the tile's keys (see in_register); wdot, acc plus
+// the products of k's and q's words summed in pairs into int32 lanes;
+// wreduce, the sum of a vector's lanes; widen_words, elements i .. i +
+// kWordLanes - 1 (i a multiple of kWordLanes) of a row of Bits-wide integers
+// as int16 words in word_position order; reduce_8, out[i] = the sum of v[i]'s
+// lanes for i < 8, cheaper than 8 wreduce.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 typedef __m512i wvec;
 
@@ -191,17 +198,55 @@ inline wvec wzero() {
 
 inline wvec wload(const int16_t* p) {
   wvec v = _mm512_loadu_si512(p);
-  asm("" : "+v"(v)); // one load for the tile's keys (see in_register)
+  asm("" : "+v"(v));
   return v;
 }
 
-// acc + the products of k's and q's words, summed in pairs into int32 lanes.
 inline wvec wdot(wvec acc, wvec k, wvec q) {
   return _mm512_dpwssd_epi32(acc, k, q);
 }
 
 inline int32_t wreduce(wvec v) {
   return _mm512_reduce_add_epi32(v);
+}
+
+template <int Bits>
+inline wvec widen_words(const uint32_t* row, int i) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row) + static_cast<unsigned>(i) * Bits / 8;
+  if constexpr (Bits == 8) {
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+  } else {
+    // The 16 bytes twice: low nibbles in the first 16 words, high ones in the last 16.
+    const __m512i twice = _mm512_cvtepu8_epi16(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
+    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(twice, shifts), _mm512_set1_epi16(15));
+  }
+}
+
+// 23 shuffles and adds, where 8 wreduce take 64.
+inline void reduce_8(const __m512i (&v)[8], int32_t* out) {
+  __m512i x[4];
+  for (int i = 0; i < 4; ++i) {
+    // 256-bit halves: v[2i] folded to 8 lanes, then v[2i + 1].
+    x[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  __m512i y[2];
+  for (int i = 0; i < 2; ++i) {
+    // 128-bit lanes: v[4i] .. v[4i + 3] folded to 4 lanes each.
+    y[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  // Lane k of y[0] holds v[k] (a0..a3), of y[1] v[4 + k] (b0..b3): fold to
+  // [a0 + a2, b0 + b2, a1 + a3, b1 + b3], then to the two sums.
+  const __m512i z = _mm512_add_epi32(_mm512_unpacklo_epi32(y[0], y[1]), _mm512_unpackhi_epi32(y[0], y[1]));
+  alignas(64) int32_t sums[16];
+  _mm512_store_si512(sums, _mm512_add_epi32(z, _mm512_shuffle_epi32(z, _MM_PERM_BADC)));
+  for (int k = 0; k < 4; ++k) {
+    out[k] = sums[4 * k];
+    out[4 + k] = sums[4 * k + 1];
+  }
 }
 #else
 typedef __m256i wvec;
@@ -224,6 +269,30 @@ inline int32_t wreduce(wvec v) {
   const __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   const __m128i y = _mm_add_epi32(x, _mm_shuffle_epi32(x, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtsi128_si32(_mm_add_epi32(y, _mm_shuffle_epi32(y, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+template <int Bits>
+inline wvec widen_words(const uint32_t* row, int i) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row) + static_cast<unsigned>(i) * Bits / 8;
+  if constexpr (Bits == 8) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  } else {
+    // The 8 bytes' low nibbles, then their high ones (AVX2 has no 16-bit variable shift).
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+    const __m128i low = _mm_and_si128(x, _mm_set1_epi8(15));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(x, 4), _mm_set1_epi8(15));
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(low, high));
+  }
+}
+
+// 9 shuffles and adds, where 8 wreduce take 56.
+inline void reduce_8(const __m256i (&v)[8], int32_t* out) {
+  // Within each 128-bit lane: pairs, then quads; u0 holds v[0..3]'s halves, u1 v[4..7]'s.
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  const __m256i sums =
+      _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), sums);
 }
 #endif
 
@@ -262,73 +331,6 @@ inline float query_words(const float* q, int group_size, int16_t* words) {
   }
   return peak / 32767.0f;
 }
-
-// Elements i .. i + kWordLanes - 1 (i a multiple of kWordLanes) of a row of
-// Bits-wide integers as int16 words, in word_position order.
-template <int Bits>
-inline wvec widen_words(const uint32_t* row, int i) {
-  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row) + static_cast<unsigned>(i) * Bits / 8;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if constexpr (Bits == 8) {
-    return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
-  } else {
-    // The 16 bytes twice: low nibbles in the first 16 words, high ones in the last 16.
-    const __m512i twice = _mm512_cvtepu8_epi16(
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
-    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    return _mm512_and_si512(_mm512_srlv_epi16(twice, shifts), _mm512_set1_epi16(15));
-  }
-#else
-  if constexpr (Bits == 8) {
-    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  } else {
-    // The 8 bytes' low nibbles, then their high ones (AVX2 has no 16-bit variable shift).
-    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
-    const __m128i low = _mm_and_si128(x, _mm_set1_epi8(15));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(x, 4), _mm_set1_epi8(15));
-    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(low, high));
-  }
-#endif
-}
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// out[i] = the sum of v[i]'s lanes, i < 8: 23 shuffles and adds, where 8
-// reductions take 64.
-inline void reduce_8(const __m512i (&v)[8], int32_t* out) {
-  __m512i x[4];
-  for (int i = 0; i < 4; ++i) {
-    // 256-bit halves: v[2i] folded to 8 lanes, then v[2i + 1].
-    x[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                            _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  __m512i y[2];
-  for (int i = 0; i < 2; ++i) {
-    // 128-bit lanes: v[4i] .. v[4i + 3] folded to 4 lanes each.
-    y[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  // Lane k of y[0] holds v[k] (a0..a3), of y[1] v[4 + k] (b0..b3): fold to
-  // [a0 + a2, b0 + b2, a1 + a3, b1 + b3], then to the two sums.
-  const __m512i z = _mm512_add_epi32(_mm512_unpacklo_epi32(y[0], y[1]), _mm512_unpackhi_epi32(y[0], y[1]));
-  alignas(64) int32_t sums[16];
-  _mm512_store_si512(sums, _mm512_add_epi32(z, _mm512_shuffle_epi32(z, _MM_PERM_BADC)));
-  for (int k = 0; k < 4; ++k) {
-    out[k] = sums[4 * k];
-    out[4 + k] = sums[4 * k + 1];
-  }
-}
-#else
-// out[i] = the sum of v[i]'s lanes, i < 8: 9 shuffles and adds, where 8
-// reductions (wreduce) take 56.
-inline void reduce_8(const __m256i (&v)[8], int32_t* out) {
-  // Within each 128-bit lane: pairs, then quads; u0 holds v[0..3]'s halves, u1 v[4..7]'s.
-  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-  const __m256i sums =
-      _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), sums);
-}
-#endif
 
 // The integer dot products of a tile of H query rows, as int16 words qw
 // [H, Dn] (query_words), with C key rows per group: sums[(h * groups + g) *
