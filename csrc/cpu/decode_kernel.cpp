@@ -149,6 +149,38 @@ Successors<T> block_successors(const DecodeArgs& a, const RowSource<T>& src, int
   return {next, following->t0, std::min(kBlock, following->t1 - following->t0)};
 }
 
+// load_block for a paged source whose rows are read in place: a position
+// with no key points at zeros in block ([kBlock, Dp]). Given `next`, the
+// first n rows of `after` become successor offsets in ahead [kBlock] for the
+// vector loops to request; otherwise they are requested here, at once.
+template <typename T>
+uint32_t paged_block(const DecodeArgs& a, const RowSource<T>& src, int t, int n, const Successors<T>& after, T* block,
+                     int Dp, const T** rows, Lookahead* next, int64_t* ahead) {
+  const uint32_t all = n == kBlock ? ~0u : (1u << n) - 1;
+  const uint32_t valid = src.paged_rows(t, n, rows);
+  for (uint32_t empty = all & ~valid; empty != 0; empty &= empty - 1) {
+    const int j = __builtin_ctz(empty);
+    std::fill_n(block + j * Dp, Dp, T(0.0f));
+    rows[j] = block + j * Dp;
+  }
+  for (int j = n; j % 4 != 0; ++j) {
+    rows[j] = rows[n - 1];
+  }
+  if (next == nullptr) {
+    after.src.prefetch(after.t, after.n, a.D);
+    return valid;
+  }
+  const int m = std::min(n, after.n);
+  const T* successors[kBlock];
+  // Rows with no key, or no successor key, request their own row again: harmless.
+  const uint32_t both = m > 0 ? after.src.paged_rows(after.t, m, successors) & valid : 0;
+  for (int j = 0; j < m; ++j) {
+    ahead[j] = both >> j & 1u ? successors[j] - rows[j] : 0;
+  }
+  *next = {0, m, ahead};
+  return valid;
+}
+
 // Points rows[j] at position t + j of the source, for j < n, and returns the
 // bits j of the positions that hold a key: all but those of a paged source
 // whose table entry lies outside the pool, whose rows point at zeros in block
@@ -156,9 +188,10 @@ Successors<T> block_successors(const DecodeArgs& a, const RowSource<T>& src, int
 // gathered into block, the D elements of a row zero-padded to Dp. Gathered
 // and paged rows have no fixed successor offset: given `next`, the first n
 // rows of a paged source's `after` get one each (next->offsets, in ahead
-// [kBlock]) for the vector loops to request; otherwise they are requested
-// here, at once. Rows n to the next multiple of 4 repeat row n - 1, so the
-// scoring can run on whole groups of four; their scores are never read.
+// [kBlock]) for the vector loops to request (paged_block); otherwise they
+// are requested here, at once. Rows n to the next multiple of 4 repeat row
+// n - 1, so the scoring can run on whole groups of four; their scores are
+// never read.
 template <typename T, int D>
 uint32_t load_block(const DecodeArgs& a, const RowSource<T>& src, int t, int n, const Successors<T>& after, T* block,
                     const T** rows, Lookahead* next = nullptr, int64_t* ahead = nullptr) {
@@ -177,10 +210,11 @@ uint32_t load_block(const DecodeArgs& a, const RowSource<T>& src, int t, int n, 
     }
     return n == kBlock ? ~0u : (1u << n) - 1;
   }
-  const bool offsets = next != nullptr && src.paged() && !gathered<D>(stride);
-  if ((gathered<D>(stride) || src.paged()) && !offsets) {
-    after.src.prefetch(after.t, after.n, a.D);
+  if (src.paged() && !gathered<D>(stride)) {
+    return paged_block(a, src, t, n, after, block, Dp, rows, next, ahead);
   }
+  // Gathered rows, dense or paged: copied into block.
+  after.src.prefetch(after.t, after.n, a.D);
   uint32_t valid = 0;
   src.for_rows(t, n, [&](int j, const T* row) {
     T* copy = block + j * Dp;
@@ -190,10 +224,6 @@ uint32_t load_block(const DecodeArgs& a, const RowSource<T>& src, int t, int n, 
       return;
     }
     valid |= 1u << j;
-    if (!gathered<D>(stride)) {
-      rows[j] = row;
-      return;
-    }
     if (stride[3] == 1) {
       std::copy_n(row, a.D, copy);
     } else {
@@ -206,14 +236,6 @@ uint32_t load_block(const DecodeArgs& a, const RowSource<T>& src, int t, int n, 
   });
   for (int j = n; j % 4 != 0; ++j) {
     rows[j] = rows[n - 1];
-  }
-  if (offsets) {
-    const int m = std::min(n, after.n);
-    // Rows with no key, or no successor key, request their own row again: harmless.
-    after.src.for_rows(after.t, m, [&](int j, const T* successor) {
-      ahead[j] = successor != nullptr && (valid >> j & 1u) ? successor - rows[j] : 0;
-    });
-    *next = {0, m, ahead};
   }
   return valid;
 }

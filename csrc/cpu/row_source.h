@@ -3,6 +3,7 @@
 // the rows of positions [t, t + n) and never computes an address itself.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cpu/decode_args.h"
@@ -42,6 +43,30 @@ struct RowSource {
         f(j, valid ? first + row * stride[2] : nullptr);
       }
     }
+  }
+
+  // Points rows[j] at position t + j, j < n <= 32, of a paged source whose
+  // rows are read in place, and returns the bits j of the positions that hold
+  // a key; rows[j] of the others is left as it was. One table entry and range
+  // check per page and a plain store per row: through for_rows a row cost
+  // about 60 instructions (callgrind), a fifth of a paged block-16 call's.
+  uint32_t paged_rows(int t, int n, const T** rows) const {
+    const int64_t step = stride[2];
+    uint32_t valid = 0;
+    int page = t / block_size, row = t % block_size;
+    for (int j = 0; j < n; ++page, row = 0) {
+      const int m = std::min(block_size - row, n - j);
+      const int32_t entry = table[page * table_stride];
+      if (entry >= 0 && entry < num_blocks) {
+        const T* first = base + entry * stride[0] + row * step;
+        for (int r = 0; r < m; ++r) {
+          rows[j + r] = first + r * step;
+        }
+        valid |= (m >= 32 ? ~0u : (1u << m) - 1) << j;
+      }
+      j += m;
+    }
+    return valid;
   }
 
   // Requests positions [t, t + n) into L2, D elements each.
