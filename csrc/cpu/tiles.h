@@ -13,7 +13,7 @@ namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 // The rows to request from memory while a tile runs: row j of the tile has a
 // successor `offset` elements further on (offsets[j] when offsets is set: a
 // paged source's next rows lie on other pages) for j < rows. The requests are
-// spread over the tile's loop, one cache line per chunk, because a burst of
+// spread over the tile's loop, one cache line at a time, because a burst of
 // them stalls on the core's few miss buffers.
 struct Lookahead {
   int64_t offset = 0;
@@ -21,12 +21,22 @@ struct Lookahead {
   const int64_t* offsets = nullptr;
 };
 
-// Requests, into L2, the line of row j's successor that holds element i, once
-// per line: on the chunk that starts it.
+// Elements of T in a 64-byte cache line: the unit a row's successor is
+// requested in.
 template <typename T>
-inline void prefetch_successor(const T* row, int i, int j, Lookahead ahead) {
-  if (j < ahead.rows && (i * sizeof(T)) % 64 == 0) {
-    __builtin_prefetch(row + (ahead.offsets ? ahead.offsets[j] : ahead.offset) + i, 0, 1);
+constexpr int kLineElements = 64 / static_cast<int>(sizeof(T));
+
+// The successor of row j (rows[j] + its offset), or null past ahead.rows.
+template <typename T>
+inline const T* successor(const T* row, int j, Lookahead ahead) {
+  return j < ahead.rows ? row + (ahead.offsets ? ahead.offsets[j] : ahead.offset) : nullptr;
+}
+
+// Requests, into L2, the line of a successor row that holds element i.
+template <typename T>
+inline void prefetch_line(const T* next, int i) {
+  if (next != nullptr) {
+    __builtin_prefetch(next + i, 0, 1);
   }
 }
 
@@ -43,24 +53,38 @@ template <typename L, int D, int H, typename Q, typename T>
 inline void dot_4_rows(const Q* q, const T* const* rows, float* out, int out_stride, int dim, Lookahead ahead = {},
                        float scale = 1.0f) {
   static_assert(D % L::kStep == 0, "head dims are multiples of the chunk");
+  constexpr int kLine = kLineElements<T>, kChunks = kLine / L::kStep;
+  static_assert(kChunks >= 1 && kLine % L::kStep == 0, "a chunk lies within one cache line");
   const int Dn = D ? D : dim;
   const T* r[4] = {rows[0], rows[1], rows[2], rows[3]};
+  const T* next[4];
   typename L::Acc s[H][4];
-  for (int h = 0; h < H; ++h) {
-    for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < 4; ++c) {
+    next[c] = successor(r[c], c, ahead);
+    for (int h = 0; h < H; ++h) {
       s[h][c] = L::zero();
     }
   }
-  for (int i = 0; i < Dn; i += L::kStep) {
-    typename L::Row k[4];
+  // A line at a time, so that each successor line is requested without a test per chunk.
+  for (int line = 0; line < Dn; line += kLine) {
     for (int c = 0; c < 4; ++c) {
-      prefetch_successor(r[c], i, c, ahead);
-      k[c] = L::load(r[c] + i);
+      prefetch_line(next[c], line);
     }
-    for (int h = 0; h < H; ++h) {
-      const typename L::Row qh = L::load(q + h * Dn + i);
+#pragma GCC unroll 8
+    for (int u = 0; u < kChunks; ++u) {
+      const int i = line + u * L::kStep;
+      if ((D == 0 || D % kLine != 0) && i >= Dn) {
+        break;
+      }
+      typename L::Row k[4];
       for (int c = 0; c < 4; ++c) {
-        s[h][c] = L::fma(qh, k[c], s[h][c]);
+        k[c] = L::load(r[c] + i);
+      }
+      for (int h = 0; h < H; ++h) {
+        const typename L::Row qh = L::load(q + h * Dn + i);
+        for (int c = 0; c < 4; ++c) {
+          s[h][c] = L::fma(qh, k[c], s[h][c]);
+        }
       }
     }
   }
@@ -110,10 +134,21 @@ inline void accumulate_rows(
     int dim,
     const uint32_t* masks,
     Lookahead ahead = {}) {
-  constexpr int V = L::kStep, W = slice_vectors<V>(D, H);
+  constexpr int V = L::kStep, W = slice_vectors<V>(D, H), kLine = kLineElements<T>;
+  static_assert(kLine % V == 0, "a chunk lies within one cache line");
   const int Dn = D ? D : dim;
+  // Slices of whole lines start lines at the same chunks, known at compile time.
+  constexpr bool kWholeLines = (V * W) % kLine == 0;
+  const T* next[32]; // n <= 32, the bits of a mask
+  for (int j = 0; j < n; ++j) {
+    next[j] = successor(rows[j], j, ahead);
+  }
   for (int i = 0; i < Dn; i += V * W) {
     typename L::Acc a[H][W];
+    unsigned line_starts = 0; // bit c: chunk c of this slice starts a cache line
+    for (int c = 0; c < W; ++c) {
+      line_starts |= unsigned{((kWholeLines ? 0 : i) + V * c) % kLine == 0} << c;
+    }
     for (int h = 0; h < H; ++h) {
       const typename L::Acc scale = L::splat(alpha[h]);
       for (int c = 0; c < W; ++c) {
@@ -123,7 +158,9 @@ inline void accumulate_rows(
     for (int j = 0; j < n; ++j) {
       typename L::Row v[W];
       for (int c = 0; c < W; ++c) {
-        prefetch_successor(rows[j], i + V * c, j, ahead);
+        if (line_starts >> c & 1u) {
+          prefetch_line(next[j], i + V * c);
+        }
         v[c] = L::load(rows[j] + i + V * c);
       }
       for (int h = 0; h < H; ++h) {
