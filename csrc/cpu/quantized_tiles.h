@@ -419,9 +419,11 @@ inline constexpr bool kIntegerScores = false;
 // group of the element, j < n, where ws holds each row's softmax weight times
 // the row's scale of the group and bias_sum the weighted biases of the group.
 // As accumulate_rows, a slice of acc stays in registers over all n rows;
-// slices are at most 32 elements, so that each lies in one group. The first
-// slice requests the lines of each row's successor (words per row), see Lookahead.
-template <int Bits, int D, int H>
+// slices are at most 32 elements, so that each lies in one group, or 64 on
+// 16 lanes when Wide (groups and the row of multiples of 64): each weight is
+// then broadcast once per 64 elements. The first slice requests the lines of
+// each row's successor (words per row), see Lookahead.
+template <int Bits, int D, int H, bool Wide = false>
 inline void accumulate_rows_quantized(
     float* acc,
     const float* alpha,
@@ -434,8 +436,8 @@ inline void accumulate_rows_quantized(
     int group_size,
     int words,
     Lookahead ahead) {
-  // Vectors per slice: at most 32 elements, and dividing the row.
-  constexpr int W = kLanes == 16 ? 2 : (slice_vectors<8>(D, H) < 4 ? slice_vectors<8>(D, H) : 4);
+  // Vectors per slice: at most 32 elements (64 when Wide), and dividing the row.
+  constexpr int W = kLanes == 16 ? (Wide ? 4 : 2) : (slice_vectors<8>(D, H) < 4 ? slice_vectors<8>(D, H) : 4);
   const int Dn = D ? D : dim;
   const int groups = Dn / group_size;
   for (int i = 0; i < Dn; i += kLanes * W) {
