@@ -729,18 +729,18 @@ void accumulate_quantized_block(const DecodeArgs& a, int b, int h, int t, int n,
   const float* bias_sum = s.bias_sum.data();
   const int words = a.D * Bits / 32, group_size = a.quant.group_size;
   // Masked keys weigh 0 in ws and bias_sum, and their integers are finite: no mask needed.
-  const bool wide = group_size % 64 == 0 && Dp % 64 == 0;
-  for_row_tiles<4>(R, [&]<int H>(int r) {
-    if (wide) {
-      accumulate_rows_quantized<Bits, D, H, true>(acc + r * Dp, alpha + r, ws + r * groups * kBlock, kBlock,
+  auto tiles = [&]<bool Wide>() {
+    for_row_tiles<4>(R, [&]<int H>(int r) {
+      accumulate_rows_quantized<Bits, D, H, Wide>(acc + r * Dp, alpha + r, ws + r * groups * kBlock, kBlock,
                                                   bias_sum + r * groups, rows, n, Dp, group_size, words,
                                                   r == 0 ? ahead : Lookahead{});
-      return;
-    }
-    accumulate_rows_quantized<Bits, D, H>(acc + r * Dp, alpha + r, ws + r * groups * kBlock, kBlock,
-                                          bias_sum + r * groups, rows, n, Dp, group_size, words,
-                                          r == 0 ? ahead : Lookahead{});
-  });
+    });
+  };
+  if (group_size % 64 == 0 && Dp % 64 == 0) {
+    tiles.template operator()<true>();
+  } else {
+    tiles.template operator()<false>();
+  }
 }
 
 // One KV head of a work item: where its key and value rows live, its
