@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "cpu/decode_args.h"
+#include "cpu/prefetch.h"
 #include "cpu/vector_math.h"
 #include "mlx/types/half_types.h"
 
@@ -71,39 +72,29 @@ inline void release() {
   _tile_release();
 }
 
-// Requests the next block's rows from memory a few cache lines at a time,
-// spread over this block's work: a burst of requests stalls on the core's
-// few miss buffers and the excess is dropped. Row j of the next block is
-// `ahead` elements past row j of this one, for j < rows.
+// Requests the next block's rows from memory, one row of keys (then of
+// values) per key of this block's softmax: a burst of requests stalls on the
+// core's few miss buffers and the excess is dropped. Row j of the next block
+// is `ahead` elements past row j of this one, for j < rows.
 struct NextBlock {
-  const char* first[2] = {}; // this block's row 0 of keys and of values
+  const char* first[2] = {}; // row 0 of the next block's keys and of its values
   int64_t stride[2] = {}; // bytes between rows
-  int64_t ahead[2] = {}; // bytes from a row to its successor
   int rows[2] = {};
   int per_row = 0; // cache lines of a row
-  int which = 0, row = 0, line = 0; // the next line to request: keys' first
 
   template <typename T>
   void set(int part, const T* row0, int64_t row_stride, int64_t ahead_elements, int n, int D) {
-    first[part] = reinterpret_cast<const char*>(row0);
+    first[part] = reinterpret_cast<const char*>(row0 + ahead_elements);
     stride[part] = row_stride * static_cast<int64_t>(sizeof(T));
-    ahead[part] = ahead_elements * static_cast<int64_t>(sizeof(T));
     rows[part] = n;
     per_row = (D * static_cast<int>(sizeof(T)) + 63) / 64;
   }
 
-  // Requests up to `lines` more lines of the next block.
-  void request(int lines) {
-    for (; lines > 0 && which < 2; --lines) {
-      if (row >= rows[which]) {
-        ++which;
-        row = 0;
-        continue;
-      }
-      __builtin_prefetch(first[which] + row * stride[which] + ahead[which] + line * 64, 0, 1);
-      if (++line == per_row) {
-        line = 0;
-        ++row;
+  // Requests row j of the keys (part 0) or values (part 1), if the next block has it.
+  void request(int part, int j) const {
+    if (j < rows[part]) {
+      for (int line = 0; line < per_row; ++line) {
+        prefetch_l2(first[part] + j * stride[part] + line * 64);
       }
     }
   }
@@ -201,11 +192,20 @@ bool transpose_queries(const T* const* rows, int64_t stride, int R, int D, int D
   for (int r = 0; r < R; ++r) {
     const int g = r / kRows, lane = r % kRows;
     for (int c = 0; c < Dq / 32; ++c) {
-      for (int e = 0; e < 32; ++e) {
-        const int d = c * 32 + e;
-        x[e] = d < D ? std::bit_cast<uint16_t>(rows[r][d * stride]) : 0;
+      __m512i bits;
+      if (stride == 1) {
+        // Contiguous rows: one masked load, which reads nothing past D.
+        const int left = D - c * 32;
+        const __mmask32 in = left >= 32 ? ~__mmask32{0} : left > 0 ? (__mmask32{1} << left) - 1 : 0;
+        bits = _mm512_maskz_loadu_epi16(in, rows[r] + c * 32);
+      } else {
+        for (int e = 0; e < 32; ++e) {
+          const int d = c * 32 + e;
+          x[e] = d < D ? std::bit_cast<uint16_t>(rows[r][d * stride]) : 0;
+        }
+        bits = _mm512_load_si512(x);
       }
-      const __m256i b0 = load_bits(x), b1 = load_bits(x + 16);
+      const __m256i b0 = _mm512_castsi512_si256(bits), b1 = _mm512_extracti64x4_epi64(bits, 1);
       if (any_non_finite<T>(b0) || any_non_finite<T>(b1)) {
         return false;
       }
@@ -330,14 +330,15 @@ inline void scores(const Scratch& s, const uint16_t* keys, int64_t k_stride, int
 // scales S^T (in place, becoming P^T: weights exp(s - m_new), 0 outside each
 // row's keys [lo, hi) and past n), updates the running max m and sum l and
 // returns the factor alpha = exp(m_old - m_new) for the old accumulator (0
-// when m_old is -inf). `whole`: every row attends all of [t, t + n).
-inline __m512 softmax(
-    float* st, int t, int n, float scale, __m512i lo, __m512i hi, bool whole, __m512& m, __m512& l, NextBlock& next) {
+// when m_old is -inf). `whole`: every row attends all of [t, t + n). Requests
+// the rows of `next`, a row of keys and one of values per key.
+inline __m512 softmax(float* st, int t, int n, float scale, __m512i lo, __m512i hi, bool whole, __m512& m, __m512& l,
+                      const NextBlock& next) {
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
   const __m512 sc = _mm512_set1_ps(scale);
   __m512 m_new = m;
   for (int j = 0; j < n; ++j) {
-    next.request(4);
+    next.request(0, j);
     __m512 x = _mm512_mul_ps(_mm512_loadu_ps(st + j * kRows), sc);
     if (!whole) {
       const __m512i key = _mm512_set1_epi32(t + j);
@@ -352,7 +353,7 @@ inline __m512 softmax(
   const __m512 alpha = _mm512_maskz_mov_ps(static_cast<__mmask16>(~empty), exp16(_mm512_sub_ps(m, m_new)));
   __m512 sum = _mm512_setzero_ps();
   for (int j = 0; j < n; ++j) {
-    next.request(4);
+    next.request(1, j);
     const __m512 x = _mm512_loadu_ps(st + j * kRows);
     // -inf (outside a range) gives weight 0, not exp(-inf - -inf) = NaN.
     const __mmask16 outside = _mm512_cmp_ps_mask(x, neg_inf, _CMP_EQ_OQ);
@@ -362,6 +363,8 @@ inline __m512 softmax(
   }
   for (int j = n; j < kKeys; ++j) {
     _mm512_storeu_ps(st + j * kRows, _mm512_setzero_ps());
+    next.request(0, j);
+    next.request(1, j);
   }
   l = _mm512_fmadd_ps(l, alpha, sum);
   m = m_new;

@@ -71,7 +71,6 @@ template <typename T>
 constexpr bool kAmx = !std::is_same_v<T, float>;
 template <typename T>
 constexpr int kAmxMinRows = std::is_same_v<T, mx::float16_t> ? 12 : 8;
-thread_local amx::Scratch tls_amx;
 #else
 template <typename T>
 constexpr bool kAmx = false;
@@ -286,7 +285,7 @@ void prefetch_rows(const T* first, int64_t row_stride, int n) {
   for (int j = 0; j < n; ++j) {
     const char* row = reinterpret_cast<const char*>(first + j * row_stride);
     for (int byte = 0; byte < D * static_cast<int>(sizeof(T)); byte += 64) {
-      __builtin_prefetch(row + byte, 0, 1);
+      prefetch_l2(row + byte);
     }
   }
 }
@@ -388,6 +387,8 @@ struct AmxItem {
   std::vector<const T*> q_rows; // [R]
   std::vector<KeyRange> group_keys; // [groups]: the keys every row of the group attends
   std::vector<int32_t> lo, hi; // [groups * 16]: row r's keys [lo, hi), 0 past R
+  // A member, not a thread_local of its own: each block then needs no TLS lookup.
+  amx::Scratch scratch;
 
   // Prepares item c for the tiles, or, when !wanted, leaves it to the vector
   // path. ranges: the key ranges of the L rows of each of c's requests.
@@ -401,13 +402,13 @@ struct AmxItem {
     groups = (R + amx::kRows - 1) / amx::kRows;
     Dp = dp;
     Dq = (dp + 31) / 32 * 32;
-    tls_amx.reserve(groups, Dq, Dp);
+    scratch.reserve(groups, Dq, Dp);
     q_rows.resize(R);
     for (int r = 0; r < R; ++r) {
       q_rows[r] = query_row<T>(a, c, r);
     }
     // Queries that are not finite leave the item to the vector path.
-    usable = amx::transpose_queries(q_rows.data(), a.q_stride[3], R, a.D, Dq, tls_amx);
+    usable = amx::transpose_queries(q_rows.data(), a.q_stride[3], R, a.D, Dq, scratch);
     lo.assign(groups * amx::kRows, 0);
     hi.assign(groups * amx::kRows, 0);
     group_keys.assign(groups, {0, std::numeric_limits<int>::max()});
@@ -442,7 +443,7 @@ struct AmxItem {
       return false;
     }
     constexpr bool split16 = std::is_same_v<T, mx::float16_t>;
-    amx::Scratch& s = tls_amx;
+    amx::Scratch& s = scratch;
     const uint32_t all = n == 32 ? ~0u : (1u << n) - 1;
     if (load(0) != all) {
       return false;
@@ -452,7 +453,7 @@ struct AmxItem {
     // loads' 32-bit byte stride.
     const uint16_t* keys = s.k_hi.data();
     int64_t k_stride = Dq;
-    // The next block's rows are requested during this block's softmax.
+    // The next block's rows are requested during the first row group's softmax.
     amx::NextBlock next;
     next.set(0, rows[0], a.k_stride[2], k_next.offset, k_next.rows, Dp);
     if constexpr (split16) {
@@ -478,7 +479,7 @@ struct AmxItem {
       amx::scores(s, keys, k_stride, g, Dq, split16, s.s);
       const __m512 alpha = amx::softmax(
           s.s, t, n, a.scale, _mm512_loadu_si512(lo.data() + first), _mm512_loadu_si512(hi.data() + first), whole,
-          m, l, next);
+          m, l, g == 0 ? next : amx::NextBlock{});
       _mm512_storeu_ps(st.m + first, m);
       _mm512_storeu_ps(st.l + first, l);
       amx::transpose_weights(s.s, s);
@@ -639,7 +640,7 @@ Lookahead load_quantized_block(const DecodeArgs& a, int side, int b, int h, int 
 inline void prefetch_packed_row(const uint32_t* row, int j, int words, Lookahead ahead) {
   if (j < ahead.rows) {
     for (int byte = 0; byte < words * 4; byte += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(row + ahead.offset) + byte, 0, 1);
+      prefetch_l2(reinterpret_cast<const char*>(row + ahead.offset) + byte);
     }
   }
 }

@@ -452,7 +452,7 @@ inline void accumulate_rows_quantized(
     for (int j = 0; j < n; ++j) {
       if (i == 0 && j < ahead.rows) {
         for (int byte = 0; byte < words * 4; byte += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(rows[j] + ahead.offset) + byte, 0, 1);
+          prefetch_l2(reinterpret_cast<const char*>(rows[j] + ahead.offset) + byte);
         }
       }
       qvec v[W];

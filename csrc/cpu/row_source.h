@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cpu/decode_args.h"
+#include "cpu/prefetch.h"
 
 namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 
@@ -76,7 +77,7 @@ struct RowSource {
         return;
       }
       for (int i = 0; i < D; i += 64 / static_cast<int>(sizeof(T))) {
-        __builtin_prefetch(row + i * stride[3], 0, 1);
+        prefetch_l2(row + i * stride[3]);
       }
     });
   }

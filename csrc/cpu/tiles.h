@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cpu/lanes.h"
+#include "cpu/prefetch.h"
 
 namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 
@@ -36,7 +37,7 @@ inline const T* successor(const T* row, int j, Lookahead ahead) {
 template <typename T>
 inline void prefetch_line(const T* next, int i) {
   if (next != nullptr) {
-    __builtin_prefetch(next + i, 0, 1);
+    prefetch_l2(next + i);
   }
 }
 

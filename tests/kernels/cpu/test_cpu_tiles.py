@@ -87,6 +87,26 @@ def test_long_requests_and_layouts(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [80, 128])
+def test_query_layouts(dtype, D):
+    # The queries become tile operands by a masked load of each contiguous row (D = 80 ends
+    # within a 32-element chunk), or element by element along a strided last axis. Rows
+    # followed by inf in memory stay on the tiles only if nothing past D is read.
+    q, k, v, _, _ = shape_case(dtype, D, 4, 4, None, None, seed=D)
+    expected = numpy_reference(q, k, v, LENGTHS)
+    inf_after = mx.full((*q.shape[:-1], 16), float("inf"), dtype)
+    layouts = {
+        "[B, L, H_q, D] in memory": mx.contiguous(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3),
+        "rows followed by inf": mx.concatenate([q, inf_after], axis=-1)[..., :D],
+        "strided last axis": mx.repeat(q, 2, axis=-1)[..., ::2],
+    }
+    for name, q_in in layouts.items():
+        out, blocks = tile_blocks_of(lambda: mbd.batched_decode_attention(q_in, k, v, mx.array(LENGTHS)))
+        assert blocks > 0, name
+        assert max_abs_error(out, expected) < TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("poison", ["keys", "values", "queries"])
 def test_non_finite_blocks_leave_other_rows_alone(dtype, poison):
     # A tile product cannot skip inf or NaN, so a block (or, for queries, an item) holding one
