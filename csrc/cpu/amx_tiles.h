@@ -371,19 +371,55 @@ inline __m512 softmax(float* st, int t, int n, float scale, __m512i lo, __m512i 
   return alpha;
 }
 
+// Transposes 16 x 16 dwords in registers: dword j of x[i] becomes dword i of x[j].
+inline void transpose_dwords(__m512i x[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(x[i], x[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(x[i], x[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    x[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    x[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    x[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    x[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(x[i + j], x[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(x[i + j], x[i + j + 4], 0xDD);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    x[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    x[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD);
+  }
+}
+
+// One bfloat16 part (Low: lo, else hi) of P [16 rows, 32 keys] from P^T
+// [32 keys, 16 rows] float32: keys 2p and 2p + 1 of all rows split into one
+// vector whose dword r is row r's pair, then the 16 pairs' dwords transposed.
+// One part at a time, so that its 16 vectors and the transpose's fit the 32
+// registers.
+template <bool Low>
+inline void transpose_weight_part(const float* pt, uint16_t* out) {
+  const __m512i order = interleaved_top_halves();
+  __m512i x[kKeys / 2];
+  for (int p = 0; p < kKeys / 2; ++p) {
+    __m512i h, l;
+    split(_mm512_loadu_ps(pt + 2 * p * kRows), _mm512_loadu_ps(pt + (2 * p + 1) * kRows), order, h, l);
+    x[p] = Low ? l : h;
+  }
+  transpose_dwords(x);
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_storeu_si512(out + r * kKeys, x[r]);
+  }
+}
+
 // P^T [32 keys, 16 rows] float32 -> P [16 rows, 32 keys] as bfloat16 parts.
 inline void transpose_weights(const float* pt, Scratch& s) {
-  const __m512i column = _mm512_mullo_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(kRows));
-  const __m512i order = top_halves();
-  for (int r = 0; r < kRows; ++r) {
-    const __m512 first = _mm512_i32gather_ps(column, pt + r, 4);
-    const __m512 second = _mm512_i32gather_ps(column, pt + 16 * kRows + r, 4);
-    __m512i h, l;
-    split(first, second, order, h, l);
-    _mm512_storeu_si512(s.p_hi.data() + r * kKeys, h);
-    _mm512_storeu_si512(s.p_lo.data() + r * kKeys, l);
-  }
+  transpose_weight_part<false>(pt, s.p_hi.data());
+  transpose_weight_part<true>(pt, s.p_lo.data());
 }
 
 // acc[r] = alpha[r] * acc[r] + (P . V)[r] for the 16 rows of a group, acc
