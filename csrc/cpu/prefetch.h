@@ -7,8 +7,8 @@ namespace mlx_batched_decode::cpu::MBD_CPU_ISA {
 // instruction __builtin_prefetch(p, 0, 1) emits). With GCC on x86-64 an asm
 // statement: GCC 12 splits a function at an early guard (partial inlining),
 // finds a split-off part that only prefetches free of side effects and
-// deletes its call; the paged rows' and the AMX block's requests were all
-// gone from the build that way. p need not point at memory: nothing is read.
+// deletes its call: RowSource::prefetch had no prefetch left in the build
+// that way. p need not point at memory: nothing is read.
 inline void prefetch_l2(const void* p) {
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
   asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p)));
