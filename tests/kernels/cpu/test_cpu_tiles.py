@@ -108,11 +108,13 @@ def test_query_layouts(dtype, D):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("poison", ["keys", "values", "queries"])
-def test_non_finite_blocks_leave_other_rows_alone(dtype, poison):
+@pytest.mark.parametrize("L", [4, 8])
+def test_non_finite_blocks_leave_other_rows_alone(dtype, poison, L):
     # A tile product cannot skip inf or NaN, so a block (or, for queries, an item) holding one
     # runs on the vector path: rows that do not attend it stay exact, and the whole result
-    # equals the vector-only variant's, NaN for NaN.
-    L, G = 4, 4
+    # equals the vector-only variant's, NaN for NaN. L = 8 makes two row groups, whose
+    # states must both be untouched when the block is left to the vector path.
+    G = 4
     q, k, v, _, _ = shape_case(dtype, 64, G, L, 6, None, seed=12)
     lens = mx.array(LENGTHS)
     position = T - L - 5  # attended by row 0 of request 0 only (window 6)
