@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/cache_lines.h"
 #include "cpu/decode_args.h"
 #include "cpu/prefetch.h"
 #include "cpu/vector_math.h"
@@ -108,21 +109,26 @@ inline __m512i top_halves() {
       0x001F001D, 0x001B0019, 0x00170015, 0x00130011, 0x000F000D, 0x000B0009, 0x00070005, 0x00030001);
 }
 
-// Word indexes that interleave the top halves of a and b: a0 b0 a1 b1 ...
-inline __m512i interleaved_top_halves() {
-  return _mm512_set_epi32(
-      0x003F001F, 0x003D001D, 0x003B001B, 0x00390019, 0x00370017, 0x00350015, 0x00330013, 0x00310011,
-      0x002F000F, 0x002D000D, 0x002B000B, 0x00290009, 0x00270007, 0x00250005, 0x00230003, 0x00210001);
+// a minus its top 16 bits (its bfloat16 truncation): exact in float32.
+inline __m512i rest(__m512 a) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  return _mm512_castps_si512(_mm512_sub_ps(a, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), top))));
 }
 
 // Splits float32 a and b into bfloat16 parts: hi their top 16 bits, lo the
 // top 16 bits of the rest, the 32 words of each packed in `order`.
 inline void split(__m512 a, __m512 b, __m512i order, __m512i& hi, __m512i& lo) {
-  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const __m512 ra = _mm512_sub_ps(a, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), top)));
-  const __m512 rb = _mm512_sub_ps(b, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), top)));
   hi = _mm512_permutex2var_epi16(_mm512_castps_si512(a), order, _mm512_castps_si512(b));
-  lo = _mm512_permutex2var_epi16(_mm512_castps_si512(ra), order, _mm512_castps_si512(rb));
+  lo = _mm512_permutex2var_epi16(rest(a), order, rest(b));
+}
+
+// Splits as split does, interleaved: dword i of hi holds the top halves of
+// a[i] (low word) and b[i] (high word), of lo those of the rests. A shift and
+// a word blend each, where a vpermt2w is three uops.
+inline void split_pairs(__m512 a, __m512 b, __m512i& hi, __m512i& lo) {
+  const __mmask32 high_words = 0xAAAAAAAAu;
+  hi = _mm512_mask_blend_epi16(high_words, _mm512_srli_epi32(_mm512_castps_si512(a), 16), _mm512_castps_si512(b));
+  lo = _mm512_mask_blend_epi16(high_words, _mm512_srli_epi32(rest(a), 16), rest(b));
 }
 
 inline __m256i load_bits(const void* p) {
@@ -147,15 +153,14 @@ inline bool any_non_finite(__m256i bits) {
   return _mm256_cmpeq_epi16_mask(_mm256_and_si256(bits, e), e) != 0;
 }
 
-// Per-thread buffers of one work item and block (bfloat16 as uint16_t).
+// Per-thread buffers of one work item and block (bfloat16 as uint16_t), each
+// starting on a cache line, as the rows of the tile loads then do.
 struct Scratch {
-  std::vector<uint16_t> q_hi, q_lo; // [groups, Dq / 32, 16 pairs, 16 rows, 2]
-  std::vector<uint16_t> k_hi, k_lo; // [32 keys, Dq]
-  std::vector<uint16_t> v_hi, v_lo; // [Dp / 16, 16 pairs, 16 d, 2]
-  std::vector<uint16_t> p_hi, p_lo; // [16 rows, 32 keys]
-  // S^T, then P^T [32 keys, 16 rows]. Read with unaligned loads: a
-  // thread_local of a dlopen'ed module need not get its 64-byte alignment.
-  alignas(64) float s[kKeys * kRows];
+  LineVector<uint16_t> q_hi, q_lo; // [groups, Dq / 32, 16 pairs, 16 rows, 2]
+  LineVector<uint16_t> k_hi, k_lo; // [32 keys, Dq]
+  LineVector<uint16_t> v_hi, v_lo; // [Dp / 16, 16 pairs, 16 d, 2]
+  LineVector<uint16_t> p_hi, p_lo; // [16 rows, 32 keys]
+  LineVector<float> s; // S^T, then P^T [32 keys, 16 rows]
 
   void reserve(int groups, int Dq, int Dp) {
     grow(q_hi, static_cast<size_t>(groups) * Dq * kRows);
@@ -166,9 +171,11 @@ struct Scratch {
     grow(v_lo, static_cast<size_t>(kKeys) * Dp);
     grow(p_hi, kRows * kKeys);
     grow(p_lo, kRows * kKeys);
+    grow(s, kKeys * kRows);
   }
 
-  static void grow(std::vector<uint16_t>& v, size_t n) {
+  template <typename E>
+  static void grow(LineVector<E>& v, size_t n) {
     if (v.size() < n) {
       v.resize(n);
     }
@@ -271,7 +278,6 @@ inline void copy_keys(const mx::bfloat16_t* const* rows, int n, int Dp, int Dq, 
 // tile product.
 template <typename T>
 bool pair_values(const T* const* rows, int n, int Dp, Scratch& s) {
-  const __m512i order = interleaved_top_halves();
   for (int p = 0; p < kKeys / 2; ++p) {
     for (int c = 0; c < Dp / 16; ++c) {
       const __m256i b0 = 2 * p < n ? load_bits(rows[2 * p] + c * 16) : _mm256_setzero_si256();
@@ -282,14 +288,13 @@ bool pair_values(const T* const* rows, int n, int Dp, Scratch& s) {
       const size_t at = (static_cast<size_t>(c) * (kKeys / 2) + p) * 32;
       if constexpr (std::is_same_v<T, mx::float16_t>) {
         __m512i h, l;
-        split(_mm512_cvtph_ps(b0), _mm512_cvtph_ps(b1), order, h, l);
+        split_pairs(_mm512_cvtph_ps(b0), _mm512_cvtph_ps(b1), h, l);
         _mm512_storeu_si512(s.v_hi.data() + at, h);
         _mm512_storeu_si512(s.v_lo.data() + at, l);
       } else {
-        const __m512 x0 = widen<T>(b0), x1 = widen<T>(b1);
-        _mm512_storeu_si512(
-            s.v_hi.data() + at,
-            _mm512_permutex2var_epi16(_mm512_castps_si512(x0), order, _mm512_castps_si512(x1)));
+        // bfloat16 bits interleaved word by word: b0's in the low words, b1's in the high ones.
+        const __m512i x0 = _mm512_cvtepu16_epi32(b0), x1 = _mm512_slli_epi32(_mm512_cvtepu16_epi32(b1), 16);
+        _mm512_storeu_si512(s.v_hi.data() + at, _mm512_or_si512(x0, x1));
       }
     }
   }
@@ -403,11 +408,10 @@ inline void transpose_dwords(__m512i x[16]) {
 // registers.
 template <bool Low>
 inline void transpose_weight_part(const float* pt, uint16_t* out) {
-  const __m512i order = interleaved_top_halves();
   __m512i x[kKeys / 2];
   for (int p = 0; p < kKeys / 2; ++p) {
     __m512i h, l;
-    split(_mm512_loadu_ps(pt + 2 * p * kRows), _mm512_loadu_ps(pt + (2 * p + 1) * kRows), order, h, l);
+    split_pairs(_mm512_loadu_ps(pt + 2 * p * kRows), _mm512_loadu_ps(pt + (2 * p + 1) * kRows), h, l);
     x[p] = Low ? l : h;
   }
   transpose_dwords(x);

@@ -166,7 +166,8 @@ struct DecodeArgs {
 // range of keys: running max m, running sum l and the unnormalised
 // accumulator acc [rows, Dp], all float32, stored back to back in one float
 // buffer. Rows are allocated in whole groups of 16, so that the AMX path
-// reads and writes whole tiles; rows past R are scratch.
+// reads and writes whole tiles (rows past R are scratch), and so that each
+// state and its acc start on a cache line where the buffer does.
 struct PartialState {
   float* m;
   float* l;

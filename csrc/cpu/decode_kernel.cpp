@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu/amx_tiles.h"
+#include "cpu/cache_lines.h"
 #include "cpu/convert.h"
 #include "cpu/decode_args.h"
 #include "cpu/kernel_table.h"
@@ -84,13 +85,13 @@ constexpr bool kAmx = false;
 // strided last axis or zero-padded to Dp.
 template <typename T>
 struct Scratch {
-  std::vector<float> q;
-  std::vector<T> q_raw;
-  std::vector<float> scores;
-  std::vector<float> alpha;
-  std::vector<uint32_t> masks;
-  std::vector<KeyRange> ranges;
-  std::vector<T> block;
+  LineVector<float> q;
+  LineVector<T> q_raw;
+  LineVector<float> scores;
+  LineVector<float> alpha;
+  LineVector<uint32_t> masks;
+  LineVector<KeyRange> ranges;
+  LineVector<T> block;
 
   void reserve(int R, int L, int Dp) {
     grow(q, static_cast<size_t>(R) * Dp);
@@ -105,7 +106,7 @@ struct Scratch {
   }
 
   template <typename V>
-  static void grow(std::vector<V>& v, size_t n) {
+  static void grow(LineVector<V>& v, size_t n) {
     if (v.size() < n) {
       v.resize(n);
     }
@@ -476,13 +477,13 @@ struct AmxItem {
       const int first = g * amx::kRows;
       const bool whole = group_keys[g].lo <= t && t + n <= group_keys[g].hi;
       __m512 m = _mm512_loadu_ps(st.m + first), l = _mm512_loadu_ps(st.l + first);
-      amx::scores(s, keys, k_stride, g, Dq, split16, s.s);
+      amx::scores(s, keys, k_stride, g, Dq, split16, s.s.data());
       const __m512 alpha = amx::softmax(
-          s.s, t, n, a.scale, _mm512_loadu_si512(lo.data() + first), _mm512_loadu_si512(hi.data() + first), whole,
+          s.s.data(), t, n, a.scale, _mm512_loadu_si512(lo.data() + first), _mm512_loadu_si512(hi.data() + first), whole,
           m, l, g == 0 ? next : amx::NextBlock{});
       _mm512_storeu_ps(st.m + first, m);
       _mm512_storeu_ps(st.l + first, l);
-      amx::transpose_weights(s.s, s);
+      amx::transpose_weights(s.s.data(), s);
       amx::accumulate(s, Dp, split16, st.acc + static_cast<int64_t>(first) * Dp, alpha);
     }
     ++blocks;
@@ -508,14 +509,14 @@ inline constexpr bool kScoresOnIntegers = kIntegerScores && !std::is_same_v<T, f
 // kBlock] (dot_rows_integer), and per block each row's weights times the value
 // scales [R, groups, kBlock] and weighted value biases [R, groups].
 struct QuantizedScratch {
-  std::vector<uint32_t> words;
-  std::vector<float> sb;
-  std::vector<float> qsum;
-  std::vector<int16_t> qwords;
-  std::vector<float> qscale;
-  std::vector<int32_t> sums;
-  std::vector<float> ws;
-  std::vector<float> bias_sum;
+  LineVector<uint32_t> words;
+  LineVector<float> sb;
+  LineVector<float> qsum;
+  LineVector<int16_t> qwords;
+  LineVector<float> qscale;
+  LineVector<int32_t> sums;
+  LineVector<float> ws;
+  LineVector<float> bias_sum;
 
   void reserve(int R, int words_per_row, int groups, int Dp) {
     Scratch<float>::grow(words, static_cast<size_t>(kBlock) * words_per_row);

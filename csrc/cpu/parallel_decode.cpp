@@ -12,6 +12,7 @@
 #include <sched.h>
 #endif
 
+#include "cpu/cache_lines.h"
 #include "cpu/isa.h"
 #include "cpu/shared_blocks.h"
 #include "cpu/worker_pool.h"
@@ -68,7 +69,7 @@ struct Call {
   std::vector<int64_t> parts_begin; // [pairs + 1], prefix sum of chunk counts
   // Partial states, PartialState::size(rows, Dp) each; left unset (a call's
   // are megabytes), since each chunk sets its own rows before any are read.
-  std::unique_ptr<float[]> parts;
+  LineArray<float> parts;
   std::unique_ptr<std::atomic<int>[]> remaining; // chunks left per pair
   std::atomic<int> next{0};
   std::atomic<int> done{0};
@@ -95,7 +96,7 @@ struct Call {
     } else {
       // One state per head for all requests' rows, then each request's rows to
       // its own slot, where they merge with its other chunks as split-K parts do.
-      thread_local std::vector<float> shared;
+      thread_local LineVector<float> shared;
       const int all_rows = c.count * R;
       const int64_t all_size = PartialState::size(all_rows, args.Dp);
       shared.resize(all_size * c.heads);
@@ -277,7 +278,7 @@ std::shared_ptr<Call> plan(const DecodeArgs& a) {
   } else {
     plan_dense(call->args, *call);
   }
-  call->parts = std::make_unique_for_overwrite<float[]>(call->parts_begin[pairs] * PartialState::size(a.rows(), a.Dp));
+  call->parts = make_line_array<float>(call->parts_begin[pairs] * PartialState::size(a.rows(), a.Dp));
   return call;
 }
 
