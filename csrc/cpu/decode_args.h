@@ -108,6 +108,15 @@ struct DecodeArgs {
   int rows() const {
     return G * L;
   }
+  // Whether a work item of `rows` query rows (more than rows() where requests
+  // share pages) may run on the AMX tiles. With fewer the vector path costs
+  // less (measured on the development VM: splitting float16 keys and values
+  // into bfloat16 parts costs about what 8 rows of vector arithmetic do), and
+  // float32 and packed keys keep it.
+  bool tiles_for(int rows) const {
+    const int fewest = dtype == Dtype::float16 ? 12 : 8;
+    return amx_tiles && quant.bits == 0 && dtype != Dtype::float32 && rows >= fewest;
+  }
   // valid_lens[b] clamped to [0, T], and to request b's length in the ragged layout.
   int length(int b) const {
     const int len = clamp_position(valid_lens[b * lens_stride]);

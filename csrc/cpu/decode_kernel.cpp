@@ -62,16 +62,11 @@ constexpr int kScoreRows = 2;
 #endif
 
 // Blocks of 16-bit keys and values run on AMX tiles in a build compiled for
-// them (see amx_tiles.h), when the AMX variant is selected (DecodeArgs::
-// amx_tiles) and a work item has at least kAmxMinRows query rows;
-// with fewer, the vector path costs less (measured on the development VM:
-// splitting float16 keys and values into bfloat16 parts costs about what 8
-// rows of vector arithmetic do). float32 keeps the vector path.
+// them (see amx_tiles.h), when the AMX variant is selected and a work item
+// has enough query rows (DecodeArgs::tiles_for). float32 keeps the vector path.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 template <typename T>
 constexpr bool kAmx = !std::is_same_v<T, float>;
-template <typename T>
-constexpr int kAmxMinRows = std::is_same_v<T, mx::float16_t> ? 12 : 8;
 #else
 template <typename T>
 constexpr bool kAmx = false;
@@ -790,7 +785,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
   bool tiles_may_run = false;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   if constexpr (kAmx<T> && Bits == 0) {
-    tiles_may_run = a.amx_tiles && R >= kAmxMinRows<T> && c.heads == 1;
+    tiles_may_run = a.tiles_for(R) && c.heads == 1;
   }
 #endif
   // At most kMaxItemHeads heads per item (parallel_decode.h).

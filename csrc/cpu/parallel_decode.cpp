@@ -24,9 +24,6 @@ namespace {
 // Keys per work item: long requests are split (flash-decoding) so that one
 // request or a skewed batch still spreads over all cores.
 constexpr int kChunk = 512;
-// Query rows from which the AMX tiles may take a work item (the fewest of
-// decode_kernel.cpp's kAmxMinRows): such items keep one head each.
-constexpr int kAmxFewestRows = 8;
 // Query rows of one work item that serves several requests (shared pages):
 // the scratch of its queries and scores stays in L2.
 constexpr int kMaxSharedRows = 256;
@@ -143,16 +140,16 @@ struct Call {
   }
 };
 
-// KV heads per work item of request b: all of them (up to kMaxItemHeads)
-// when its key and value rows hold the heads side by side (token-major:
-// reading one head's part of a row at a time runs at about half the read
-// bandwidth), else one. Not for quantized rows, nor for items that the AMX
-// tiles may take (they hold one head's queries).
-int item_heads(const DecodeArgs& a, int b) {
+// KV heads per work item of request b with `rows` query rows (more where
+// requests share pages): all of them (up to kMaxItemHeads) when its key and
+// value rows hold the heads side by side (token-major: reading one head's part
+// of a row at a time runs at about half the read bandwidth), else one. Not for
+// quantized rows, nor for items that the AMX tiles may take (they hold one
+// head's queries: their arithmetic, not the reads, bounds such items).
+int item_heads(const DecodeArgs& a, int b, int rows) {
   const DecodeArgs r = a.of_request(b);
   const auto side_by_side = [](const int64_t* s) { return std::abs(s[1]) < std::abs(s[2]); };
-  const bool tiles = a.amx_tiles && a.rows() >= kAmxFewestRows;
-  if (a.quant.bits != 0 || tiles || !side_by_side(r.k_stride) || !side_by_side(r.v_stride)) {
+  if (a.quant.bits != 0 || a.tiles_for(rows) || !side_by_side(r.k_stride) || !side_by_side(r.v_stride)) {
     return 1;
   }
   return std::min(a.H_kv, kMaxItemHeads);
@@ -179,7 +176,7 @@ void plan_dense(const DecodeArgs& a, Call& call) {
   int64_t total = 0;
   for (int b = 0; b < a.B; ++b) {
     // Only the keys some query row attends are read: a window or a start skips the rest.
-    const int heads = item_heads(a, b);
+    const int heads = item_heads(a, b, a.rows());
     const std::vector<Chunk> pieces = dense_pieces(a, b, a.request_range(b));
     const int chunks = static_cast<int>(pieces.size());
     for (int h = 0; h < a.H_kv; ++h) {
@@ -235,7 +232,7 @@ void plan_paged(const DecodeArgs& a, Call& call) {
     const int count = static_cast<int>(g.requests.size());
     const int64_t at = static_cast<int64_t>(call.members.size());
     call.members.insert(call.members.end(), g.requests.begin(), g.requests.end());
-    const int heads = item_heads(a, g.requests[0]);
+    const int heads = item_heads(a, g.requests[0], count * a.rows());
     for (int h = 0; h < a.H_kv; h += heads) {
       Chunk item{g.requests[0], h, g.t0, g.t1, nullptr, count};
       item.heads = std::min(heads, a.H_kv - h);

@@ -13,6 +13,8 @@ import pytest
 import mlx_batched_decode as mbd
 from tests.support.numerics import TOLERANCE, dtype_id, max_abs_error, numpy_reference
 from tests.ops.test_decode_shapes import LENGTHS, STARTS, T, shape_case
+from tests.ops.test_paged_decode import float64_paged
+from tests.support.paged_cases import read_rows
 
 pytestmark = pytest.mark.skipif(
     "amx" not in mbd._ext.cpu_isas(), reason="this CPU (or OS) offers no AMX tiles"
@@ -139,6 +141,47 @@ def test_non_finite_blocks_leave_other_rows_alone(dtype, poison, L):
         # Only row 0 of request 0 attends the poisoned key.
         assert not np.isfinite(out_np[0, :, 0]).all()
         assert np.isfinite(out_np[0, :, 1:]).all() and np.isfinite(out_np[1:]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("block_size", [7, 16])
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major pool", "head-major pool"])
+def test_shared_pages_run_on_the_tiles(dtype, block_size, head_major):
+    # G = 4, L = 1: 4 query rows a request, below the threshold, but the requests that share
+    # a prefix's pages make one work item of 4 x (requests) rows per head, which the tiles
+    # take in either pool layout (token-major [NB, BS, H_kv, D] too: those items keep one
+    # head each). Blocks of 7 rows put page boundaries inside the 32-key blocks; the rows no
+    # request attends hold NaN keys and inf values.
+    rng = np.random.default_rng(block_size)
+    H_kv, G, D = 2, 4, 128
+    lens = [700, 700, 650, 613, 90, 0]
+    prefix = 600 // block_size
+    pages = [-(-n // block_size) for n in lens]
+    nb = prefix + sum(p - prefix for p in pages[:4]) + pages[4] + 2
+    ids = iter(rng.permutation(nb).tolist())
+    tables = np.full((len(lens), max(pages) + 1), -1, np.int32)
+    shared = [next(ids) for _ in range(prefix)]
+    for b in range(4):
+        tables[b, :prefix] = shared
+        tables[b, prefix : pages[b]] = [next(ids) for _ in range(pages[b] - prefix)]
+    tables[4, : pages[4]] = [next(ids) for _ in range(pages[4])]
+    q = mx.array(rng.standard_normal((len(lens), H_kv * G, 1, D)).astype(np.float32)).astype(dtype)
+    # Poisoned in the pool's own layout, then viewed as [NB, BS, H_kv, D].
+    shape = (nb, H_kv, block_size, D) if head_major else (nb, block_size, H_kv, D)
+    k, v = (mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype) for _ in range(2))
+    unread = ~read_rows(tables, lens, nb, block_size, 1, None)
+    unread = mx.array(unread[:, None, :, None] if head_major else unread[:, :, None, None])
+    k_nan = mx.where(unread, mx.array(float("nan"), dtype), k)
+    v_nan = mx.where(unread, mx.array(float("inf"), dtype), v)
+    if head_major:
+        k, v, k_nan, v_nan = (mx.swapaxes(x, 1, 2) for x in (k, v, k_nan, v_nan))
+    shared_before = mbd._ext.cpu_shared_items()
+    out, blocks = tile_blocks_of(
+        lambda: mbd.paged_decode_attention(q, k_nan, v_nan, mx.array(tables), mx.array(lens))
+    )
+    assert mbd._ext.cpu_shared_items() > shared_before
+    assert blocks > 0, "the shared pages did not run on the tiles"
+    assert max_abs_error(out, float64_paged(q, k, v, tables, lens)) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
