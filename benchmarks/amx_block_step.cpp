@@ -1,7 +1,10 @@
 // The CPU kernel's AMX block step (csrc/cpu/amx_tiles.h) on one 32-key block
 // of float16 keys and values that stays in L1, repeated: the cost of each step
 // alone and of the whole step, without the kernel's memory traffic, row setup
-// and calls. One row group (R = 16 query rows, G x L = 4 x 4), D = 128.
+// and calls. One row group (R = 16 query rows, G x L = 4 x 4), D = 128; the
+// whole step also for four row groups (R = 64: 16 requests sharing pages at
+// G = 4, L = 1), whose queries and accumulators no longer fit in L1 beside
+// the block's split keys and values.
 // `offset` starts the key and value rows that many elements past a cache line
 // (MLX's CPU arrays start 24 bytes, 12 elements, past one).
 //
@@ -19,6 +22,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "cpu/amx_tiles.h"
 
@@ -34,16 +38,20 @@ double seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// One block's inputs and state, the rows `offset` elements past a cache line.
+// One block's inputs and the state of `groups` row groups, the rows `offset`
+// elements past a cache line.
 struct Block {
+  int groups;
   cpu::LineVector<mx::float16_t> k, v, q;
   const mx::float16_t* k_rows[kN];
   const mx::float16_t* v_rows[kN];
-  const mx::float16_t* q_rows[kR];
+  std::vector<const mx::float16_t*> q_rows;
   amx::Scratch s;
   cpu::LineVector<float> acc, m, l;
 
-  explicit Block(int offset) : k(kN * kD + offset), v(kN * kD + offset), q(kR * kD), acc(kR * kD), m(kR), l(kR) {
+  Block(int offset, int groups)
+      : groups(groups), k(kN * kD + offset), v(kN * kD + offset), q(groups * kR * kD), q_rows(groups * kR),
+        acc(groups * kR * kD), m(groups * kR), l(groups * kR) {
     std::mt19937 rng(1);
     std::normal_distribution<float> normal;
     for (int i = 0; i < kN * kD; ++i) {
@@ -57,15 +65,16 @@ struct Block {
       k_rows[j] = k.data() + offset + j * kD;
       v_rows[j] = v.data() + offset + j * kD;
     }
-    for (int r = 0; r < kR; ++r) {
+    for (int r = 0; r < groups * kR; ++r) {
       q_rows[r] = q.data() + r * kD;
       m[r] = -__builtin_inff();
     }
-    s.reserve(1, kD, kD);
-    amx::transpose_queries(q_rows, 1, kR, kD, kD, s);
+    s.reserve(groups, kD, kD);
+    amx::transpose_queries(q_rows.data(), 1, groups * kR, kD, kD, s);
   }
 
-  // The block step as AmxItem::block runs it, with `skip` left out (-1: none).
+  // The block step as AmxItem::block runs it, with `skip` left out (-1: none):
+  // the keys and values split once, then each row group in turn.
   bool step(int t, int skip) {
     bool finite = true;
     if (skip != 0) {
@@ -74,21 +83,25 @@ struct Block {
     if (skip != 1) {
       finite &= amx::pair_values(v_rows, kN, kD, s);
     }
-    if (skip != 2) {
-      amx::scores(s, s.k_hi.data(), kD, 0, kD, true, s.s.data());
-    }
-    __m512 mm = _mm512_loadu_ps(m.data()), ll = _mm512_loadu_ps(l.data()), alpha = _mm512_set1_ps(1.0f);
-    if (skip != 3) {
-      alpha = amx::softmax(s.s.data(), t, kN, 0.088f, _mm512_setzero_si512(), _mm512_set1_epi32(1 << 30), true, mm, ll,
-                           amx::NextBlock{});
-    }
-    _mm512_storeu_ps(m.data(), mm);
-    _mm512_storeu_ps(l.data(), ll);
-    if (skip != 4) {
-      amx::transpose_weights(s.s.data(), s);
-    }
-    if (skip != 5) {
-      amx::accumulate(s, kD, true, acc.data(), alpha);
+    for (int g = 0; g < groups; ++g) {
+      if (skip != 2) {
+        amx::scores(s, s.k_hi.data(), kD, g, kD, true, s.s.data());
+      }
+      float* gm = m.data() + g * kR;
+      float* gl = l.data() + g * kR;
+      __m512 mm = _mm512_loadu_ps(gm), ll = _mm512_loadu_ps(gl), alpha = _mm512_set1_ps(1.0f);
+      if (skip != 3) {
+        alpha = amx::softmax(s.s.data(), t, kN, 0.088f, _mm512_setzero_si512(), _mm512_set1_epi32(1 << 30), true, mm,
+                             ll, amx::NextBlock{});
+      }
+      _mm512_storeu_ps(gm, mm);
+      _mm512_storeu_ps(gl, ll);
+      if (skip != 4) {
+        amx::transpose_weights(s.s.data(), s);
+      }
+      if (skip != 5) {
+        amx::accumulate(s, kD, true, acc.data() + g * kR * kD, alpha);
+      }
     }
     return finite;
   }
@@ -135,7 +148,7 @@ int main(int argc, char** argv) {
   std::printf("%-18s %10s %10s\n", "ns per block", "offset 0", "offset 12");
   double whole[2], alone[2][6], without[2][6];
   for (int o = 0; o < 2; ++o) {
-    Block b(o == 0 ? 0 : 12);
+    Block b(o == 0 ? 0 : 12, 1);
     amx::configure();
     whole[o] = ns_per_block([&](int i) { b.step(i * kN, -1); });
     for (int w = 0; w < 6; ++w) {
@@ -144,7 +157,16 @@ int main(int argc, char** argv) {
     }
     amx::release();
   }
+  // Four row groups, as an item of 16 requests sharing pages at G = 4 runs them.
+  double whole64[2];
+  for (int o = 0; o < 2; ++o) {
+    Block b(o == 0 ? 0 : 12, 4);
+    amx::configure();
+    whole64[o] = ns_per_block([&](int i) { b.step(i * kN, -1); });
+    amx::release();
+  }
   std::printf("%-18s %10.0f %10.0f\n", "whole step", whole[0], whole[1]);
+  std::printf("%-18s %10.0f %10.0f\n", "64 rows, whole", whole64[0], whole64[1]);
   for (int w = 0; w < 6; ++w) {
     std::printf("%-18s %10.0f %10.0f   (whole step without it: %.0f / %.0f)\n", names[w], alone[0][w], alone[1][w],
                 without[0][w], without[1][w]);
@@ -158,7 +180,8 @@ int main(int argc, char** argv) {
     }
     json += "}";
   }
-  json += "}}\n";
+  json += "}, \"ns_per_block_64_rows\": {\"offset 0\": " + std::to_string(whole64[0]) + ", \"offset 12\": " +
+          std::to_string(whole64[1]) + "}}\n";
   if (argc > 1) {
     std::ofstream(argv[1]) << json;
     std::printf("saved %s\n", argv[1]);

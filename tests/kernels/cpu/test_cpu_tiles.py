@@ -2,8 +2,9 @@
 against float64, on CPUs that have AMX; skipped, with the reason, elsewhere.
 
 Dimensions: B requests, H_q/H_kv query/KV heads, G = H_q / H_kv, L query rows, T positions,
-D head dim. A work item has R = G * L query rows; the tiles take float16 items with R >= 12
-and bfloat16 items with R >= 8, in groups of 16 rows.
+D head dim. A work item has R = G * L query rows (times the requests it serves where they
+share pages); the tiles take float16 items with R >= 12 and bfloat16 items with R >= 8, in
+groups of 16 rows.
 """
 
 import mlx.core as mx
