@@ -25,6 +25,7 @@ roofline" the same for the peer. Each output is checked against reference_paged_
 
     python benchmarks/bench_paged.py            # both cases, 25 rounds
     python benchmarks/bench_paged.py --quick    # fewer buffers and rounds (well under a minute)
+    python benchmarks/bench_paged.py --rows 2   # L = 2 query rows per request (G x L = 8 a KV head)
 """
 
 import argparse
@@ -87,9 +88,9 @@ def block_tables(lens, bs, seed, shuffled=True):
     return tables, sum(pages)
 
 
-def with_floors(row, floors, t_peer, t_paged, peer_bytes, paged_bytes, lens):
+def with_floors(row, floors, t_peer, t_paged, peer_bytes, paged_bytes, lens, L):
     """row with the paged call's floor columns and the peer's share of its own roofline."""
-    multiply_adds = decode_multiply_adds(int(lens.sum()), H_Q, D)
+    multiply_adds = decode_multiply_adds(int(lens.sum()), H_Q, D, L)
     peer = floors.columns(t_peer, peer_bytes, multiply_adds)
     return row | floors.columns(t_paged, paged_bytes, multiply_adds) | {"peer_roofline": peer["roofline"]}
 
@@ -99,7 +100,7 @@ def no_sharing(args, floors, lens, bs, head_major, shuffled=True):
     tables, blocks = block_tables(lens, bs, seed=1, shuffled=shuffled)
     T = tables.shape[1] * bs
     n_sets = rotation_sets(kv_bytes(lens), args.factor)
-    q = mx.random.normal((B, H_Q, 1, D), key=mx.random.key(2)).astype(DTYPE)
+    q = mx.random.normal((B, H_Q, args.rows, D), key=mx.random.key(2)).astype(DTYPE)
     valid = mx.array(lens.astype(np.int32))
     t = mx.array(tables)
     pools = pool_sets(blocks, bs, n_sets, seed=3, head_major=head_major)
@@ -122,14 +123,14 @@ def no_sharing(args, floors, lens, bs, head_major, shuffled=True):
         "dense_gbs": nbytes / t_dense / 1e9, "paged_gbs": nbytes / t_paged / 1e9,
         "ratio": t_dense / t_paged, "target": 0.95 if bs > 1 else 0.9, "max_error": max(errors.values()),
     }
-    return with_floors(row, floors, t_dense, t_paged, nbytes, nbytes, lens)
+    return with_floors(row, floors, t_dense, t_paged, nbytes, nbytes, lens, args.rows)
 
 
 def shared_prefix(args, floors, head_major):
     B, bs, prefix, own = 16, 16, 4096, 128
     lens = np.full(B, prefix + own)
     p_pages, o_pages = prefix // bs, own // bs
-    q = mx.random.normal((B, H_Q, 1, D), key=mx.random.key(4)).astype(DTYPE)
+    q = mx.random.normal((B, H_Q, args.rows, D), key=mx.random.key(4)).astype(DTYPE)
     valid = mx.array(lens.astype(np.int32))
     # Shared: blocks 0 .. p_pages - 1 hold the prefix, then each request's own blocks.
     shared_tables = np.concatenate(
@@ -165,14 +166,17 @@ def shared_prefix(args, floors, head_major):
         "ratio": t_private / t_shared, "target": 6.0, "max_error": max(errors),
     }
     shared_bytes = blocks_shared * bs * H_KV * D * 2 * ITEMSIZE
-    return with_floors(row, floors, t_private, t_shared, nbytes, shared_bytes, lens)
+    return with_floors(row, floors, t_private, t_shared, nbytes, shared_bytes, lens, args.rows)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a third of the LLC of buffers, 5 rounds")
+    parser.add_argument("--rows", type=int, default=1, help="query rows per request (L, default 1)")
     parser.add_argument("--output", help="results/<name>.json (default bench_paged, or bench_paged_quick)")
     args = parser.parse_args()
+    if args.rows < 1:
+        parser.error("--rows must be at least 1")
     args.factor, args.rounds = (1 / 3, 5) if args.quick else (3, 25)
     floors = Floors()
     info = machine() | floors.describe
@@ -186,7 +190,8 @@ def main():
     rows += [no_sharing(args, floors, batches[0], bs, False, shuffled=False) for bs in (16, 1)]
     rows += [shared_prefix(args, floors, head_major) for head_major in (False, True)]
     print(describe_machine(info))
-    print("(a) peer = dense op on [B, H_kv, T, D]; (b) peer = paged op with private prefix copies")
+    print(f"L = {args.rows} query rows per request; (a) peer = dense op on [B, H_kv, T, D]; (b) peer = paged op"
+          " with private prefix copies")
     print_table(rows, [
         ("case", "case", "{}"), ("dense_ms", "peer ms", "{:.3f}"), ("paged_ms", "paged ms", "{:.3f}"),
         ("dense_gbs", "peer GB/s", "{:.1f}"), ("paged_gbs", "paged GB/s", "{:.1f}"),
@@ -194,7 +199,7 @@ def main():
         *Floors.COLUMNS, ("peer_roofline", "peer roofline", "{:.0%}"), ("max_error", "max err", "{:.1e}"),
     ])
     path = save(args.output or "bench_paged" + ("_quick" if args.quick else ""), {"machine": info, "quick": args.quick,
-                                                                   "rows": rows})
+                                                                   "L": args.rows, "rows": rows})
     print(f"saved {path}")
 
 

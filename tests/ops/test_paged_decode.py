@@ -50,7 +50,7 @@ def options(G, seed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("D", [24, 64, 128])
 @pytest.mark.parametrize("G", [1, 4])
-@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("L", [1, 2, 3])
 @pytest.mark.parametrize("block_size", [1, 7, 16, 32])
 def test_matches_float64(dtype, D, G, L, block_size, kernel_calls):
     shared_before = mbd._ext.cpu_shared_items()
