@@ -91,7 +91,7 @@ struct Block {
       float* gl = l.data() + g * kR;
       __m512 mm = _mm512_loadu_ps(gm), ll = _mm512_loadu_ps(gl), alpha = _mm512_set1_ps(1.0f);
       if (skip != 3) {
-        alpha = amx::softmax(s.s.data(), t, kN, 0.088f, _mm512_setzero_si512(), _mm512_set1_epi32(1 << 30), true, mm,
+        alpha = amx::softmax(s.s.data(), t, kN, 0.088f, 0.0f, _mm512_setzero_si512(), _mm512_set1_epi32(1 << 30), true, mm,
                              ll, amx::NextBlock{});
       }
       _mm512_storeu_ps(gm, mm);
@@ -114,7 +114,7 @@ struct Block {
       case 1: amx::pair_values(v_rows, kN, kD, s); break;
       case 2: amx::scores(s, s.k_hi.data(), kD, 0, kD, true, s.s.data()); break;
       case 3:
-        amx::softmax(s.s.data(), t, kN, 0.088f, _mm512_setzero_si512(), _mm512_set1_epi32(1 << 30), true, mm, ll,
+        amx::softmax(s.s.data(), t, kN, 0.088f, 0.0f, _mm512_setzero_si512(), _mm512_set1_epi32(1 << 30), true, mm, ll,
                      amx::NextBlock{});
         break;
       case 4: amx::transpose_weights(s.s.data(), s); break;

@@ -29,6 +29,7 @@ times, on fresh buffers, the rounds spread over the run; each figure is the
 median of its N values (peers: first round).
 
     python benchmarks/bench_kernel.py --quick    # Llama-3-8B heads, B=8 512-2048, 3 dtypes (under a minute)
+    python benchmarks/bench_kernel.py --quick --softcap 50    # the same with Gemma 2's softcap (no peers)
     python benchmarks/bench_kernel.py            # full matrix (long)
 
 The page-size targets on the Intel Xeon target machine (both page sizes against the same probe)
@@ -85,8 +86,9 @@ class Case:
     (default: enough that their valid bytes are >= 3x the last-level cache, at most
     `memory_gb` GB of buffers), T the longest length unless given."""
 
-    def __init__(self, heads, B, kind, dtype_name, layers, huge_pages, T=None, memory_gb=6.0):
+    def __init__(self, heads, B, kind, dtype_name, layers, huge_pages, T=None, memory_gb=6.0, softcap=None):
         H_q, H_kv, D = heads
+        self.softcap = softcap
         self.dtype_name = dtype_name
         dtype = DTYPES[dtype_name]
         self.lens_np = lengths(kind, B)
@@ -109,11 +111,11 @@ class Case:
             "multiply_adds": decode_multiply_adds(int(self.lens_np.sum()), H_q, D),
             "layers": layers, "bytes_rotated": valid_bytes * layers, "llc_bytes": llc_bytes(),
             "rotated_x_llc": valid_bytes * layers / llc_bytes(),
-            "kv_on_huge_pages": on_huge / (buffer_bytes * layers),
+            "kv_on_huge_pages": on_huge / (buffer_bytes * layers), "softcap": softcap,
         }
 
     def ours(self, layers=None):
-        return [mbd.batched_decode_attention(self.q, k, v, self.lens) for k, v in self.kv[:layers]]
+        return [mbd.batched_decode_attention(self.q, k, v, self.lens, softcap=self.softcap) for k, v in self.kv[:layers]]
 
     def run_ours(self):
         mx.eval(self.ours())
@@ -136,7 +138,7 @@ def finish_row(case, seconds, floors, peers, numpy_bandwidth=None):
     # The timed output, checked against the reference on both contents the layers hold.
     err = 0.0
     for out, (k, v) in zip(case.ours(2), case.kv[:2]):
-        ref = mbd.reference_attention(case.q, k, v, case.lens)
+        ref = mbd.reference_attention(case.q, k, v, case.lens, softcap=case.softcap)
         err = max(err, mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item())
     row["max_err"] = err
     tol = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}[case.dtype_name]
@@ -159,11 +161,11 @@ def finish_row(case, seconds, floors, peers, numpy_bandwidth=None):
     return row
 
 
-def bench_group(heads, B, kinds, dtype_name, layers, huge_pages, peers, floors, numpy_probe, memory_gb):
+def bench_group(heads, B, kinds, dtype_name, layers, huge_pages, peers, floors, numpy_probe, memory_gb, softcap=None):
     """Rows for `kinds` of one shape, timed in turns with each other, the floors' probes and the
     numpy probe (when given)."""
     T = max(int(lengths(kind, B).max()) for kind in kinds)
-    cases = [Case(heads, B, kind, dtype_name, layers, huge_pages, T, memory_gb / len(kinds)) for kind in kinds]
+    cases = [Case(heads, B, kind, dtype_name, layers, huge_pages, T, memory_gb / len(kinds), softcap) for kind in kinds]
     seconds = floors.timed([c.run_ours for c in cases] + ([numpy_probe.probe] if numpy_probe else []))
     numpy_bw = numpy_probe.gbs(seconds[-1]) if numpy_probe else None
     rows = [finish_row(c, t, floors, peers, numpy_bw) for c, t in zip(cases, seconds)]
@@ -207,6 +209,7 @@ def main():
     parser.add_argument("--heads", nargs="+", choices=HEADS, default=list(HEADS), help="head layouts of the full matrix")
     parser.add_argument("--small-pages", action="store_true", help="leave K/V on 4 KiB pages (no advise_huge_pages)")
     parser.add_argument("--isa", choices=_ext.cpu_isas(), help="CPU kernel variant (default: the best this CPU runs)")
+    parser.add_argument("--softcap", type=float, help="cap scores at c * tanh(s / c) (the peers cannot: none run)")
     parser.add_argument("--output", default="kernel", help="results/<name>.json")
     args = parser.parse_args()
 
@@ -219,7 +222,7 @@ def main():
     print(f"{describe_machine(info)}; K/V on {info['kv_pages']} pages")
     print(floors.header(), flush=True)
 
-    peers = {} if args.no_sdpa or args.quick else {"sdpa": True}
+    peers = {} if args.no_sdpa or args.quick or args.softcap else {"sdpa": True}
     torch = torch_sdpa()
     if torch is not None and "sdpa" in peers:
         peers["torch"] = torch
@@ -241,7 +244,7 @@ def main():
         for i, (h, B, kinds, d) in enumerate(groups):
             group_rows = bench_group(
                 HEADS[h], B, kinds, d, args.layers, not args.small_pages, peers if r == 0 else {}, floors, numpy_probe,
-                args.memory_gb,
+                args.memory_gb, args.softcap,
             )
             measured[i].append(group_rows)
             for row in group_rows:

@@ -74,8 +74,16 @@ void check_heads(const std::string& op, DecodeShape& d) {
                   ").");
   }
   d.G = d.H_q / d.H_kv;
-  if (d.D < 1 || d.D > kMaxHeadDim) {
+  if (d.D == d.Dv && (d.D < 1 || d.D > kMaxHeadDim)) {
     fail_argument(op, "head dim " + std::to_string(d.D) + " is not supported; head dims 1 to " +
+                  std::to_string(kMaxHeadDim) + " are.");
+  }
+  if (d.D < 1 || d.D > kMaxKeyHeadDim) {
+    fail_argument(op, "the keys' head dim " + std::to_string(d.D) + " is not supported; 1 to " +
+                  std::to_string(kMaxKeyHeadDim) + " are.");
+  }
+  if (d.Dv < 1 || d.Dv > kMaxHeadDim) {
+    fail_argument(op, "the values' head dim " + std::to_string(d.Dv) + " is not supported; 1 to " +
                   std::to_string(kMaxHeadDim) + " are.");
   }
 }
@@ -108,6 +116,55 @@ void check_options(const std::string& op, const DecodeShape& d, const mx::array&
   if (o.scale && !std::isfinite(*o.scale)) {
     fail_argument(op, "scale must be finite, got " + std::to_string(*o.scale) + ".");
   }
+  if (o.softcap && !(std::isfinite(*o.softcap) && *o.softcap > 0.0f)) {
+    fail_argument(op, "softcap must be a finite number > 0, got " + std::to_string(*o.softcap) + ".");
+  }
+}
+
+mx::array request_queries(const std::string& op, const mx::array& queries, const DecodeOptions& o, int B,
+                          mx::StreamOrDevice s) {
+  if (!o.query_starts) {
+    return queries;
+  }
+  const mx::array& qs = *o.query_starts;
+  if (queries.ndim() != 3) {
+    fail_argument(op, "queries must have shape [N, H_q, D] with query_starts, got " + shape_str(queries) + ".");
+  }
+  const int N = queries.shape(0);
+  if (N < 1) {
+    fail_argument(op, "queries must have at least one row (N >= 1), got " + shape_str(queries) + ".");
+  }
+  if (qs.ndim() != 1 || qs.shape(0) != B + 1) {
+    fail_argument(op, "query_starts must have shape [B + 1] = (" + std::to_string(B + 1) + ",), got " +
+                  shape_str(qs) + ".");
+  }
+  if (!mx::issubdtype(qs.dtype(), mx::integer)) {
+    fail_argument(op, "query_starts must have an integer dtype, got " + dtype_str(qs.dtype()) + ".");
+  }
+  // B + 1 integers: reading them costs one small evaluation, before any work of this call is queued.
+  if (!qs.is_tracer()) {
+    mx::array v = mx::astype(qs, mx::int64, mx::Device::cpu);
+    v.eval();
+    const int64_t* x = v.data<int64_t>();
+    if (x[0] != 0 || x[B] != N) {
+      fail_argument(op, "query_starts must start at 0 and end at N = " + std::to_string(N) + ", got " +
+                    std::to_string(x[0]) + " .. " + std::to_string(x[B]) + ".");
+    }
+    for (int b = 0; b < B; ++b) {
+      if (x[b + 1] < x[b]) {
+        fail_argument(op, "query_starts must not decrease, got " + std::to_string(x[b]) + " then " +
+                      std::to_string(x[b + 1]) + " at request " + std::to_string(b) + ".");
+      }
+    }
+  }
+  return mx::broadcast_to(mx::expand_dims(mx::transpose(queries, {1, 0, 2}, s), 0, s),
+                          {B, queries.shape(1), N, queries.shape(2)}, s);
+}
+
+mx::array packed_queries(const mx::array& view, mx::StreamOrDevice s) {
+  const mx::array first =
+      mx::squeeze(mx::slice(view, {0, 0, 0, 0}, {1, view.shape(1), view.shape(2), view.shape(3)}, s), 0, s);
+  return mx::transpose(first, {1, 0, 2}, s);
 }
 
 void reject_ring(const std::string& op, const DecodeOptions& options) {
@@ -122,8 +179,11 @@ DecodeShape check_arguments(const mx::array& queries, const mx::array& keys, con
   if (keys.ndim() != 4) {
     fail("keys must have shape [B, H_kv, T, D], got " + shape_str(keys) + ".");
   }
-  if (values.shape() != keys.shape()) {
-    fail("values must have the shape of keys " + shape_str(keys) + ", got " + shape_str(values) + ".");
+  // Values may have a head dim of their own (MLA's latent, a view of the keys' first columns).
+  if (values.ndim() != 4 || values.shape(0) != keys.shape(0) || values.shape(1) != keys.shape(1) ||
+      values.shape(2) != keys.shape(2)) {
+    fail("values must have the shape of keys " + shape_str(keys) + " but for the last axis, got " +
+         shape_str(values) + ".");
   }
   if (keys.shape(0) != d.B) {
     fail("keys have batch size " + std::to_string(keys.shape(0)) + " but queries have " + std::to_string(d.B) + ".");
@@ -133,6 +193,7 @@ DecodeShape check_arguments(const mx::array& queries, const mx::array& keys, con
   }
   d.H_kv = keys.shape(1);
   d.T = keys.shape(2);
+  d.Dv = values.shape(3);
   check_heads(kOp, d);
   if (keys.dtype() != queries.dtype() || values.dtype() != queries.dtype()) {
     fail("queries, keys and values must share one dtype, got " + dtype_str(queries.dtype()) + ", " +

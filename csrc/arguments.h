@@ -13,8 +13,10 @@
 
 namespace mlx_batched_decode {
 
+// D: the head dim of queries and keys; Dv: of values and the output.
 struct DecodeShape {
   int B, H_q, H_kv, G, L, T, D;
+  int Dv = 0;
 };
 
 // Checks ranks, shapes, head counts, head dim, dtypes and the options of a
@@ -26,14 +28,28 @@ DecodeShape check_arguments(const mx::array& queries, const mx::array& keys, con
 
 // The parts of those checks every op makes, for an op named `op` (the prefix
 // of its messages). check_queries: queries [B, H_q, L >= 1, D] of a supported
-// dtype; its B, H_q, L and D. check_heads, once H_kv is set: H_q a positive
-// multiple of H_kv (sets G) and D in [1, kMaxHeadDim]. check_options: the
-// per-request positions, window, sinks, ring offset and scale; reject_ring:
+// dtype; its B, H_q, L and D. check_heads, once H_kv and Dv are set: H_q a
+// positive multiple of H_kv (sets G), Dv in [1, kMaxHeadDim] and D in [1,
+// kMaxHeadDim], or up to kMaxKeyHeadDim where Dv differs. check_options: the
+// per-request positions, window, sinks, ring offset, scale and softcap; reject_ring:
 // the error of a layout that takes no ring_offset.
 DecodeShape check_queries(const std::string& op, const mx::array& queries);
 void check_heads(const std::string& op, DecodeShape& d);
 void check_options(const std::string& op, const DecodeShape& d, const mx::array& valid_lens, const DecodeOptions& options);
 void reject_ring(const std::string& op, const DecodeOptions& options);
+
+// The queries as the primitives take them. Without query_starts, queries
+// unchanged. With it (B requests): checks packed queries [N, H_q, D], N >= 1,
+// and query_starts, integer [B + 1] whose values (read here, unless they are
+// traced by a transformation, when the kernels clamp them instead) start at
+// 0, never decrease and end at N; returns the view [B, H_q, N, D] of the
+// queries with batch stride 0, request b's rows being rows query_starts[b] ..
+// query_starts[b + 1] - 1 of its entry.
+mx::array request_queries(const std::string& op, const mx::array& queries, const DecodeOptions& options, int B,
+                          mx::StreamOrDevice s);
+// The packed queries [N, H_q, D] of such a view, for the fallbacks: its first
+// entry (gradients flow back through the view to all of them).
+mx::array packed_queries(const mx::array& view, mx::StreamOrDevice s);
 
 // Throws std::invalid_argument("[op] what").
 [[noreturn]] void fail_argument(const std::string& op, const std::string& what);

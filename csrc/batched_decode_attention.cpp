@@ -8,9 +8,11 @@ namespace mlx_batched_decode {
 
 mx::array batched_decode_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
                                    const mx::array& valid_lens, const DecodeOptions& options, mx::StreamOrDevice s) {
-  const DecodeShape d = check_arguments(queries, keys, values, valid_lens, options);
+  const mx::array q =
+      request_queries("batched_decode_attention", queries, options, keys.ndim() == 4 ? keys.shape(0) : 0, s);
+  const DecodeShape d = check_arguments(q, keys, values, valid_lens, options);
   return decode_output<BatchedDecodeAttention>(
-      decode_call("batched_decode_attention", {queries, keys, values}, valid_lens, options, d.T, d.D, s));
+      decode_call("batched_decode_attention", {q, keys, values}, valid_lens, options, d.T, d.D, s));
 }
 
 RowArrays BatchedDecodeAttention::rows(const std::vector<mx::array>& inputs) const {
@@ -19,7 +21,7 @@ RowArrays BatchedDecodeAttention::rows(const std::vector<mx::array>& inputs) con
 }
 
 mx::array BatchedDecodeAttention::fallback(const std::vector<mx::array>& inputs) {
-  return reference_attention(inputs[0], inputs[1], inputs[2], valid_lens(inputs), options(inputs), stream());
+  return reference_attention(call_queries(inputs), inputs[1], inputs[2], valid_lens(inputs), options(inputs), stream());
 }
 
 } // namespace mlx_batched_decode

@@ -29,8 +29,8 @@ using OptionalArray = std::optional<mx::array>;
 
 // The ops' keyword options, as the C++ functions take them.
 mbd::DecodeOptions options(std::optional<float> scale, OptionalArray kv_starts, std::optional<int> window,
-                           OptionalArray sinks) {
-  return {scale, std::move(kv_starts), window, std::move(sinks)};
+                           OptionalArray sinks, std::optional<float> softcap, OptionalArray query_starts) {
+  return {scale, std::move(kv_starts), window, std::move(sinks), std::nullopt, softcap, std::move(query_starts)};
 }
 
 // The dense ops' ring_offset: an int (as a scalar array) or an array; the
@@ -62,8 +62,8 @@ NB_MODULE(_ext, m) {
       "batched_decode_attention",
       [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& lens, std::optional<float> scale,
          OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks, const nb::object& ring_offset,
-         mx::StreamOrDevice s) {
-        mbd::DecodeOptions o = options(scale, kv_starts, window, sinks);
+         std::optional<float> softcap, OptionalArray query_starts, mx::StreamOrDevice s) {
+        mbd::DecodeOptions o = options(scale, kv_starts, window, sinks, softcap, query_starts);
         o.ring_offset = ring_array("batched_decode_attention", ring_offset);
         return mbd::batched_decode_attention(q, k, v, lens, o, s);
       },
@@ -77,18 +77,22 @@ NB_MODULE(_ext, m) {
       "window"_a = nb::none(),
       "sinks"_a = nb::none(),
       "ring_offset"_a = nb::none(),
+      "softcap"_a = nb::none(),
+      "query_starts"_a = nb::none(),
       "stream"_a = nb::none(),
       nb::sig(
           "def batched_decode_attention(queries: mlx.core.array, keys: mlx.core.array, "
           "values: mlx.core.array, valid_lens: mlx.core.array, *, scale: float | None = None, "
           "kv_starts: mlx.core.array | None = None, window: int | None = None, "
           "sinks: mlx.core.array | None = None, ring_offset: int | mlx.core.array | None = None, "
+          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
           "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
       R"(Batched decode attention over per-request key/value ranges.
 
 Dimension legend: B requests, H_q query heads, H_kv key/value heads
 (G = H_q / H_kv query heads share one KV head), L query rows per request,
-T padded length, D head dim (1 to 512).
+T padded length, D head dim of queries and keys (1 to 576), Dv of values and
+the output (1 to 512; D itself unless values are narrower, as MLA's latent is).
 
 The L query rows of request b are its last L tokens: with
 len_b = clamp(valid_lens[b], 0, T), row i sits at position p = len_b - L + i
@@ -99,7 +103,8 @@ Args:
     queries (array): [B, H_q, L, D], float16, bfloat16 or float32.
     keys (array): [B, H_kv, T, D], same dtype. May be a strided view of a
         larger cache (e.g. ``cache[:, :, :T]``); it is read in place.
-    values (array): [B, H_kv, T, D], same dtype and shape as keys.
+    values (array): [B, H_kv, T, Dv], same dtype, the keys' shape but for the
+        head dim (a view of the keys' first Dv columns is read in place).
     valid_lens (array): [B], integer: the keys each request has.
     scale (float, optional): score scale, default 1/sqrt(D).
     kv_starts (array, optional): [B], integer: the first valid key of each
@@ -115,10 +120,19 @@ Args:
         (j + ring_offset[b]) mod T. ``valid_lens``, ``kv_starts``, ``window``
         and the rows' positions stay logical (time order). Offsets of any
         size, negative ones included, are taken modulo T.
+    softcap (float, optional): > 0: each score s = scale * q . k becomes
+        softcap * tanh(s / softcap) before masking (Gemma 2's attention logit
+        softcapping); sink logits are not capped.
+    query_starts (array, optional): [B + 1], integer: packed queries. With
+        it, ``queries`` are [N, H_q, D] and the output [N, H_q, D]; request
+        b's q_b = query_starts[b + 1] - query_starts[b] rows (0 allowed) are
+        rows query_starts[b] .. of ``queries``, row i at position
+        p = len_b - q_b + i (bottom-right causal, as FlashAttention's varlen).
+        Must start at 0, never decrease and end at N.
     stream (Stream or Device, optional): where to run, keyword only.
 
 Returns:
-    array: [B, H_q, L, D] in the queries' dtype, accumulated in float32. A
+    array: [B, H_q, L, Dv] in the queries' dtype, accumulated in float32. A
     row with no key to attend gets zeros; a row whose scores are all -inf
     (and no finite sink) gets NaN, a softmax of -inf logits only.
 
@@ -129,9 +143,9 @@ Raises:
       "quantized_batched_decode_attention",
       [](const mx::array& q, const std::vector<mx::array>& k, const std::vector<mx::array>& v, const mx::array& lens,
          int group_size, int bits, std::optional<float> scale, OptionalArray kv_starts, std::optional<int> window,
-         OptionalArray sinks, mx::StreamOrDevice s) {
+         OptionalArray sinks, std::optional<float> softcap, OptionalArray query_starts, mx::StreamOrDevice s) {
         return mbd::quantized_batched_decode_attention(
-            q, k, v, lens, group_size, bits, options(scale, kv_starts, window, sinks), s);
+            q, k, v, lens, group_size, bits, options(scale, kv_starts, window, sinks, softcap, query_starts), s);
       },
       "queries"_a,
       "keys"_a,
@@ -144,6 +158,8 @@ Raises:
       "kv_starts"_a = nb::none(),
       "window"_a = nb::none(),
       "sinks"_a = nb::none(),
+      "softcap"_a = nb::none(),
+      "query_starts"_a = nb::none(),
       "stream"_a = nb::none(),
       nb::sig(
           "def quantized_batched_decode_attention(queries: mlx.core.array, "
@@ -152,6 +168,7 @@ Raises:
           "group_size: int = 64, bits: int = 8, scale: float | None = None, "
           "kv_starts: mlx.core.array | None = None, window: int | None = None, "
           "sinks: mlx.core.array | None = None, "
+          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
           "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
       R"(Batched decode attention over quantized keys and values.
 
@@ -183,10 +200,19 @@ Args:
     window (int, optional): >= 1; each row attends at most its last ``window`` keys.
     sinks (array, optional): [H_q], floating: a per-head logit in each row's
         softmax denominator.
+    softcap (float, optional): > 0: each score s = scale * q . k becomes
+        softcap * tanh(s / softcap) before masking (Gemma 2's attention logit
+        softcapping); sink logits are not capped.
+    query_starts (array, optional): [B + 1], integer: packed queries. With
+        it, ``queries`` are [N, H_q, D] and the output [N, H_q, D]; request
+        b's q_b = query_starts[b + 1] - query_starts[b] rows (0 allowed) are
+        rows query_starts[b] .. of ``queries``, row i at position
+        p = len_b - q_b + i (bottom-right causal, as FlashAttention's varlen).
+        Must start at 0, never decrease and end at N.
     stream (Stream or Device, optional): where to run, keyword only.
 
 Returns:
-    array: [B, H_q, L, D] in the queries' dtype. A row with no key to attend
+    array: [B, H_q, L, Dv] in the queries' dtype. A row with no key to attend
     gets zeros. Positions outside every row's range are never read: NaN in
     their packed words, scales or biases changes nothing.
 
@@ -198,8 +224,8 @@ Raises:
       "reference_attention",
       [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& lens, std::optional<float> scale,
          OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks, const nb::object& ring_offset,
-         mx::StreamOrDevice s) {
-        mbd::DecodeOptions o = options(scale, kv_starts, window, sinks);
+         std::optional<float> softcap, OptionalArray query_starts, mx::StreamOrDevice s) {
+        mbd::DecodeOptions o = options(scale, kv_starts, window, sinks, softcap, query_starts);
         o.ring_offset = ring_array("reference_attention", ring_offset);
         return mbd::reference_attention(q, k, v, lens, o, s);
       },
@@ -213,12 +239,15 @@ Raises:
       "window"_a = nb::none(),
       "sinks"_a = nb::none(),
       "ring_offset"_a = nb::none(),
+      "softcap"_a = nb::none(),
+      "query_starts"_a = nb::none(),
       "stream"_a = nb::none(),
       nb::sig(
           "def reference_attention(queries: mlx.core.array, keys: mlx.core.array, "
           "values: mlx.core.array, valid_lens: mlx.core.array, *, scale: float | None = None, "
           "kv_starts: mlx.core.array | None = None, window: int | None = None, "
           "sinks: mlx.core.array | None = None, ring_offset: int | mlx.core.array | None = None, "
+          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
           "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
       R"(``batched_decode_attention`` in plain MLX ops (float32 softmax with a
 mask of each row's key range). Same arguments, shapes and errors; slower,
@@ -227,8 +256,10 @@ differentiable, and the fallback the primitive uses for vjp, jvp and vmap.)");
   m.def(
       "paged_decode_attention",
       [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& tables, const mx::array& lens,
-         std::optional<float> scale, std::optional<int> window, OptionalArray sinks, mx::StreamOrDevice s) {
-        return mbd::paged_decode_attention(q, k, v, tables, lens, options(scale, std::nullopt, window, sinks), s);
+         std::optional<float> scale, std::optional<int> window, OptionalArray sinks, std::optional<float> softcap,
+         OptionalArray query_starts, mx::StreamOrDevice s) {
+        return mbd::paged_decode_attention(
+            q, k, v, tables, lens, options(scale, std::nullopt, window, sinks, softcap, query_starts), s);
       },
       "queries"_a,
       "key_pages"_a,
@@ -239,18 +270,21 @@ differentiable, and the fallback the primitive uses for vjp, jvp and vmap.)");
       "scale"_a = nb::none(),
       "window"_a = nb::none(),
       "sinks"_a = nb::none(),
+      "softcap"_a = nb::none(),
+      "query_starts"_a = nb::none(),
       "stream"_a = nb::none(),
       nb::sig(
           "def paged_decode_attention(queries: mlx.core.array, key_pages: mlx.core.array, "
           "value_pages: mlx.core.array, block_tables: mlx.core.array, valid_lens: mlx.core.array, *, "
           "scale: float | None = None, window: int | None = None, sinks: mlx.core.array | None = None, "
+          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
           "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
       R"(Batched decode attention over paged key/value caches (block tables).
 
 Dimension legend: B requests, H_q query heads, H_kv key/value heads
 (G = H_q / H_kv query heads share one KV head), L query rows per request,
-D head dim (1 to 512), NB blocks in the pool, BS rows per block, MB table
-entries per request, T = MB * BS logical positions.
+D head dim (1 to 576; Dv of values, 1 to 512), NB blocks in the pool, BS
+rows per block, MB table entries per request, T = MB * BS logical positions.
 
 Position j of request b is row j % BS of block block_tables[b, j // BS].
 With len_b = clamp(valid_lens[b], 0, T), query row i sits at position
@@ -264,7 +298,8 @@ block read once for all of them by the CPU kernel.
 Args:
     queries (array): [B, H_q, L, D], float16, bfloat16 or float32.
     key_pages (array): [NB, BS, H_kv, D], same dtype; any strides, read in place.
-    value_pages (array): [NB, BS, H_kv, D], same dtype and shape as key_pages.
+    value_pages (array): [NB, BS, H_kv, Dv], same dtype, key_pages' shape
+        but for the head dim.
     block_tables (array): [B, MB], int32.
     valid_lens (array): [B], integer: the positions each request has.
     scale (float, optional): score scale, default 1/sqrt(D).
@@ -272,11 +307,20 @@ Args:
         ``window`` positions, itself included.
     sinks (array, optional): [H_q], floating: a per-head logit in each row's
         softmax denominator, with no value.
+    softcap (float, optional): > 0: each score s = scale * q . k becomes
+        softcap * tanh(s / softcap) before masking (Gemma 2's attention logit
+        softcapping); sink logits are not capped.
+    query_starts (array, optional): [B + 1], integer: packed queries. With
+        it, ``queries`` are [N, H_q, D] and the output [N, H_q, D]; request
+        b's q_b = query_starts[b + 1] - query_starts[b] rows (0 allowed) are
+        rows query_starts[b] .. of ``queries``, row i at position
+        p = len_b - q_b + i (bottom-right causal, as FlashAttention's varlen).
+        Must start at 0, never decrease and end at N.
     stream (Stream or Device, optional): where to run, keyword only. The
         Metal kernel reads a shared block once per request.
 
 Returns:
-    array: [B, H_q, L, D] in the queries' dtype, accumulated in float32. A
+    array: [B, H_q, L, Dv] in the queries' dtype, accumulated in float32. A
     row with no key to attend gets zeros.
 
 Raises:
@@ -285,8 +329,10 @@ Raises:
   m.def(
       "reference_paged_attention",
       [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& tables, const mx::array& lens,
-         std::optional<float> scale, std::optional<int> window, OptionalArray sinks, mx::StreamOrDevice s) {
-        return mbd::reference_paged_attention(q, k, v, tables, lens, options(scale, std::nullopt, window, sinks), s);
+         std::optional<float> scale, std::optional<int> window, OptionalArray sinks, std::optional<float> softcap,
+         OptionalArray query_starts, mx::StreamOrDevice s) {
+        return mbd::reference_paged_attention(
+            q, k, v, tables, lens, options(scale, std::nullopt, window, sinks, softcap, query_starts), s);
       },
       "queries"_a,
       "key_pages"_a,
@@ -297,11 +343,14 @@ Raises:
       "scale"_a = nb::none(),
       "window"_a = nb::none(),
       "sinks"_a = nb::none(),
+      "softcap"_a = nb::none(),
+      "query_starts"_a = nb::none(),
       "stream"_a = nb::none(),
       nb::sig(
           "def reference_paged_attention(queries: mlx.core.array, key_pages: mlx.core.array, "
           "value_pages: mlx.core.array, block_tables: mlx.core.array, valid_lens: mlx.core.array, *, "
           "scale: float | None = None, window: int | None = None, sinks: mlx.core.array | None = None, "
+          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
           "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
       R"(``paged_decode_attention`` in plain MLX ops (the pages gathered into a
 dense cache, positions of out-of-pool blocks masked, float32 softmax). Same
@@ -312,8 +361,9 @@ primitive uses for vjp, jvp and vmap.)");
       "ragged_decode_attention",
       [](const mx::array& q, const std::vector<mx::array>& k, const std::vector<mx::array>& v, OptionalArray lens,
          std::optional<float> scale, OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks,
-         mx::StreamOrDevice s) {
-        return mbd::ragged_decode_attention(q, k, v, lens, options(scale, kv_starts, window, sinks), s);
+         std::optional<float> softcap, OptionalArray query_starts, mx::StreamOrDevice s) {
+        return mbd::ragged_decode_attention(
+            q, k, v, lens, options(scale, kv_starts, window, sinks, softcap, query_starts), s);
       },
       "queries"_a,
       "keys"_a,
@@ -324,18 +374,22 @@ primitive uses for vjp, jvp and vmap.)");
       "kv_starts"_a = nb::none(),
       "window"_a = nb::none(),
       "sinks"_a = nb::none(),
+      "softcap"_a = nb::none(),
+      "query_starts"_a = nb::none(),
       "stream"_a = nb::none(),
       nb::sig(
           "def ragged_decode_attention(queries: mlx.core.array, keys: collections.abc.Sequence[mlx.core.array], "
           "values: collections.abc.Sequence[mlx.core.array], valid_lens: mlx.core.array | None = None, *, "
           "scale: float | None = None, kv_starts: mlx.core.array | None = None, window: int | None = None, "
           "sinks: mlx.core.array | None = None, "
+          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
           "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
       R"(Batched decode attention straight from one cache buffer per request.
 
 Dimension legend: B requests, H_q query heads, H_kv key/value heads
 (G = H_q / H_kv query heads share one KV head), L query rows per request,
-T_b the positions of request b's buffer, D head dim (1 to 512).
+T_b the positions of request b's buffer, D head dim (1 to 576; Dv of
+values, 1 to 512).
 
 ``batched_decode_attention``'s semantics, with each request's keys and
 values in arrays of their own (SGLang's per-request caches, mlx-lm's
@@ -351,7 +405,8 @@ Args:
         larger buffers and other strided views (a token-major
         [1, T, H_kv, D] buffer transposed) are read in place. T_b may differ
         between requests and may be 0.
-    values (sequence of array): B arrays, each the shape of its keys.
+    values (sequence of array): B arrays, each the shape of its keys but for
+        the head dim Dv, one for all.
     valid_lens (array, optional): [B], integer; default each T_b.
     scale (float, optional): score scale, default 1/sqrt(D).
     kv_starts (array, optional): [B], integer: the first valid key of each request.
@@ -359,10 +414,19 @@ Args:
         ``window`` keys, itself included.
     sinks (array, optional): [H_q], floating: a per-head logit in each row's
         softmax denominator, with no value.
+    softcap (float, optional): > 0: each score s = scale * q . k becomes
+        softcap * tanh(s / softcap) before masking (Gemma 2's attention logit
+        softcapping); sink logits are not capped.
+    query_starts (array, optional): [B + 1], integer: packed queries. With
+        it, ``queries`` are [N, H_q, D] and the output [N, H_q, D]; request
+        b's q_b = query_starts[b + 1] - query_starts[b] rows (0 allowed) are
+        rows query_starts[b] .. of ``queries``, row i at position
+        p = len_b - q_b + i (bottom-right causal, as FlashAttention's varlen).
+        Must start at 0, never decrease and end at N.
     stream (Stream or Device, optional): where to run, keyword only.
 
 Returns:
-    array: [B, H_q, L, D] in the queries' dtype, accumulated in float32. A
+    array: [B, H_q, L, Dv] in the queries' dtype, accumulated in float32. A
     row with no key to attend gets zeros. Under ``mx.compile``, each B (the
     number of arrays in the lists) is a graph of its own.
 
@@ -376,8 +440,9 @@ Raises:
       "reference_ragged_attention",
       [](const mx::array& q, const std::vector<mx::array>& k, const std::vector<mx::array>& v, OptionalArray lens,
          std::optional<float> scale, OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks,
-         mx::StreamOrDevice s) {
-        return mbd::reference_ragged_attention(q, k, v, lens, options(scale, kv_starts, window, sinks), s);
+         std::optional<float> softcap, OptionalArray query_starts, mx::StreamOrDevice s) {
+        return mbd::reference_ragged_attention(
+            q, k, v, lens, options(scale, kv_starts, window, sinks, softcap, query_starts), s);
       },
       "queries"_a,
       "keys"_a,
@@ -388,12 +453,15 @@ Raises:
       "kv_starts"_a = nb::none(),
       "window"_a = nb::none(),
       "sinks"_a = nb::none(),
+      "softcap"_a = nb::none(),
+      "query_starts"_a = nb::none(),
       "stream"_a = nb::none(),
       nb::sig(
           "def reference_ragged_attention(queries: mlx.core.array, keys: collections.abc.Sequence[mlx.core.array], "
           "values: collections.abc.Sequence[mlx.core.array], valid_lens: mlx.core.array | None = None, *, "
           "scale: float | None = None, kv_starts: mlx.core.array | None = None, window: int | None = None, "
           "sinks: mlx.core.array | None = None, "
+          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
           "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
       R"(``ragged_decode_attention`` in plain MLX ops (``reference_attention`` on
 each request's own arrays, joined on the batch axis). Same arguments, shapes

@@ -21,12 +21,20 @@ namespace mx = mlx::core;
 //   ring_offset  [B] integer or a scalar (dense layout only): the cache's T
 //              positions are a ring, logical position j of request b in slot
 //              (j + ring_offset[b]) mod T
+//   softcap    > 0: each score s = scale * q . k becomes softcap * tanh(s / softcap)
+//              (Gemma 2's attention logit softcapping); sink logits are not capped
+//   query_starts  [B + 1] integer: packed queries [N, H_q, D], request b's rows
+//              query_starts[b] .. query_starts[b + 1] - 1 (any count, 0 included);
+//              the op functions take them so and pass the primitives a view (see
+//              pack_queries in arguments.h)
 struct DecodeOptions {
   std::optional<float> scale;
   std::optional<mx::array> kv_starts;
   std::optional<int> window;
   std::optional<mx::array> sinks;
   std::optional<mx::array> ring_offset;
+  std::optional<float> softcap;
+  std::optional<mx::array> query_starts;
 };
 
 // What a primitive of the family keeps of its call (is_equivalent compares it).
@@ -38,9 +46,12 @@ struct DecodeAttributes {
   int group_size = 0; // quantized rows only
   int bits = 0; // quantized rows only; 0: rows of the queries' dtype
   bool has_ring_offset = false;
+  float softcap = 0.0f; // 0: scores are not capped
+  bool has_query_starts = false;
 
   auto tie() const {
-    return std::tie(scale, window, has_kv_starts, has_sinks, group_size, bits, has_ring_offset);
+    return std::tie(scale, window, has_kv_starts, has_sinks, group_size, bits, has_ring_offset, softcap,
+                    has_query_starts);
   }
   bool operator==(const DecodeAttributes& o) const {
     return tie() == o.tie();

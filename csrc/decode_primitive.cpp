@@ -53,7 +53,17 @@ DecodeOptions DecodePrimitive::options(const std::vector<mx::array>& inputs) con
   if (const mx::array* r = ring_offset(inputs)) {
     o.ring_offset = *r;
   }
+  if (attributes_.softcap > 0.0f) {
+    o.softcap = attributes_.softcap;
+  }
+  if (const mx::array* q = query_starts(inputs)) {
+    o.query_starts = *q;
+  }
   return o;
+}
+
+mx::array DecodePrimitive::call_queries(const std::vector<mx::array>& inputs) {
+  return attributes_.has_query_starts ? packed_queries(inputs[0], stream()) : inputs[0];
 }
 
 std::vector<mx::array> DecodePrimitive::vjp(const std::vector<mx::array>& primals,
@@ -78,7 +88,12 @@ bool DecodePrimitive::is_equivalent(const mx::Primitive& other) const {
 }
 
 std::vector<mx::Shape> DecodePrimitive::output_shapes(const std::vector<mx::array>& inputs) {
-  return {inputs[0].shape()};
+  const mx::array& q = inputs[0];
+  const int Dv = value_dim(inputs);
+  if (attributes_.has_query_starts) {
+    return {{q.shape(2), q.shape(1), Dv}};
+  }
+  return {{q.shape(0), q.shape(1), q.shape(2), Dv}};
 }
 
 DecodeCall decode_call(const char* op, std::vector<mx::array> rows, const mx::array& valid_lens,
@@ -100,9 +115,14 @@ DecodeCall decode_call(const char* op, std::vector<mx::array> rows, const mx::ar
   if (options.ring_offset) {
     inputs.push_back(ring_offsets_as_int32(*options.ring_offset, inputs[0].shape(0), T, stream));
   }
+  if (options.query_starts) {
+    // The queries are the [B, H_q, N, D] view: its rows bound every start.
+    inputs.push_back(positions_as_int32(*options.query_starts, inputs[0].shape(2), stream));
+  }
   const DecodeAttributes attributes{
       resolve_scale(options.scale, D), options.window.value_or(0), options.kv_starts.has_value(),
-      options.sinks.has_value(), group_size, bits, options.ring_offset.has_value()};
+      options.sinks.has_value(), group_size, bits, options.ring_offset.has_value(), options.softcap.value_or(0.0f),
+      options.query_starts.has_value()};
   return {stream, attributes, std::move(inputs)};
 }
 

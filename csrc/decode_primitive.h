@@ -5,8 +5,10 @@
 // Inputs of every primitive: the queries, the layout's row arrays (dense
 // keys and values, paged pools and block tables, quantized triples), then
 // valid_lens (int32 [B]), kv_starts (int32 [B]) if has_kv_starts, sinks
-// (float32 [H_q]) if has_sinks and ring_offset (int32 [B], in [0, T)) if
-// has_ring_offset. eval_cpu lives in cpu/, eval_gpu in metal/.
+// (float32 [H_q]) if has_sinks, ring_offset (int32 [B], in [0, T)) if
+// has_ring_offset and query_starts (int32 [B + 1]) if has_query_starts, the
+// queries then being the view [B, H_q, N, D] of request_queries (arguments.h)
+// and the output [N, H_q, D]. eval_cpu lives in cpu/, eval_gpu in metal/.
 #pragma once
 
 #include <array>
@@ -91,10 +93,21 @@ class DecodePrimitive : public mx::UnaryPrimitive {
         ? &inputs[lens_index_ + 1 + attributes_.has_kv_starts + attributes_.has_sinks]
         : nullptr;
   }
+  const mx::array* query_starts(const std::vector<mx::array>& inputs) const {
+    return attributes_.has_query_starts
+        ? &inputs[lens_index_ + 1 + attributes_.has_kv_starts + attributes_.has_sinks + attributes_.has_ring_offset]
+        : nullptr;
+  }
   // The call's options as the references take them.
   DecodeOptions options(const std::vector<mx::array>& inputs) const;
+  // The call's queries as the references take them: packed [N, H_q, D] with query_starts.
+  mx::array call_queries(const std::vector<mx::array>& inputs);
   // The layout's key and value rows among the inputs.
   virtual RowArrays rows(const std::vector<mx::array>& inputs) const = 0;
+  // The values' head dim Dv, the output's: the last axis of the value rows.
+  virtual int value_dim(const std::vector<mx::array>& inputs) const {
+    return rows(inputs).values.shape(-1);
+  }
 
  protected:
   // The op's contract in plain MLX ops on the primitive's inputs.
@@ -155,6 +168,10 @@ class QuantizedBatchedDecodeAttention : public DecodePrimitive {
     return "QuantizedBatchedDecodeAttention";
   }
   RowArrays rows(const std::vector<mx::array>& inputs) const override;
+  // The packed words' D * bits / 32 as D.
+  int value_dim(const std::vector<mx::array>& inputs) const override {
+    return inputs[kValueWords].shape(-1) * 32 / attributes().bits;
+  }
 
  private:
   mx::array fallback(const std::vector<mx::array>& inputs) override;
@@ -191,14 +208,15 @@ DecodeCall decode_call(const char* op, std::vector<mx::array> rows, const mx::ar
                        int bits = 0);
 
 // The output of a call of primitive P, built with the further constructor
-// arguments `extra`: [B, H_q, L, D] in the queries' dtype.
+// arguments `extra`, in the queries' dtype: [B, H_q, L, Dv], or [N, H_q, Dv]
+// with query_starts.
 template <typename P, typename... Extra>
 mx::array decode_output(DecodeCall call, Extra... extra) {
-  // Copied first: the inputs move into the array.
-  mx::Shape shape = call.inputs[0].shape();
+  auto primitive = std::make_shared<P>(call.stream, call.attributes, extra...);
+  // Taken first: the inputs move into the array.
+  mx::Shape shape = primitive->output_shapes(call.inputs)[0];
   const mx::Dtype dtype = call.inputs[0].dtype();
-  return mx::array(std::move(shape), dtype, std::make_shared<P>(call.stream, call.attributes, extra...),
-                   std::move(call.inputs));
+  return mx::array(std::move(shape), dtype, std::move(primitive), std::move(call.inputs));
 }
 
 } // namespace mlx_batched_decode

@@ -10,6 +10,8 @@
 namespace mlx_batched_decode {
 
 inline constexpr int kMaxHeadDim = 512;
+// Keys (and queries) may be wider than values: MLA's latent (512) and rope (64) dims.
+inline constexpr int kMaxKeyHeadDim = 576;
 inline constexpr int kFastHeadDims[] = {32, 64, 80, 96, 112, 128, 160, 192, 256, 512};
 
 inline bool is_fast_head_dim(int d) {

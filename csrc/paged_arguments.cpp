@@ -22,8 +22,9 @@ PagedShape check_paged_arguments(const mx::array& queries, const mx::array& key_
   if (key_pages.ndim() != 4) {
     fail("key_pages must have shape [num_blocks, block_size, H_kv, D], got " + shape_str(key_pages) + ".");
   }
-  if (value_pages.shape() != key_pages.shape()) {
-    fail("value_pages must have the shape of key_pages " + shape_str(key_pages) + ", got " +
+  if (value_pages.ndim() != 4 || value_pages.shape(0) != key_pages.shape(0) ||
+      value_pages.shape(1) != key_pages.shape(1) || value_pages.shape(2) != key_pages.shape(2)) {
+    fail("value_pages must have the shape of key_pages " + shape_str(key_pages) + " but for the last axis, got " +
          shape_str(value_pages) + ".");
   }
   PagedShape p{d, key_pages.shape(0), key_pages.shape(1), 0};
@@ -35,6 +36,7 @@ PagedShape check_paged_arguments(const mx::array& queries, const mx::array& key_
          std::to_string(d.D) + ".");
   }
   d.H_kv = key_pages.shape(2);
+  d.Dv = value_pages.shape(3);
   check_heads(kOp, d);
   if (key_pages.dtype() != queries.dtype() || value_pages.dtype() != queries.dtype()) {
     fail("queries, key_pages and value_pages must share one dtype, got " + dtype_str(queries.dtype()) + ", " +

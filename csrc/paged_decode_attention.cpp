@@ -9,10 +9,11 @@ namespace mlx_batched_decode {
 mx::array paged_decode_attention(const mx::array& queries, const mx::array& key_pages, const mx::array& value_pages,
                                  const mx::array& block_tables, const mx::array& valid_lens,
                                  const DecodeOptions& options, mx::StreamOrDevice s) {
-  const PagedShape p = check_paged_arguments(queries, key_pages, value_pages, block_tables, valid_lens, options);
+  const mx::array q = request_queries(
+      "paged_decode_attention", queries, options, block_tables.ndim() == 2 ? block_tables.shape(0) : 0, s);
+  const PagedShape p = check_paged_arguments(q, key_pages, value_pages, block_tables, valid_lens, options);
   return decode_output<PagedDecodeAttention>(decode_call(
-      "paged_decode_attention", {queries, key_pages, value_pages, block_tables}, valid_lens, options, p.d.T, p.d.D,
-      s));
+      "paged_decode_attention", {q, key_pages, value_pages, block_tables}, valid_lens, options, p.d.T, p.d.D, s));
 }
 
 // Pools [page, row, head, dim] as the kernels' {page, head, row, dim}.
@@ -24,7 +25,7 @@ RowArrays PagedDecodeAttention::rows(const std::vector<mx::array>& inputs) const
 
 mx::array PagedDecodeAttention::fallback(const std::vector<mx::array>& inputs) {
   return reference_paged_attention(
-      inputs[0], inputs[1], inputs[2], inputs[3], valid_lens(inputs), options(inputs), stream());
+      call_queries(inputs), inputs[1], inputs[2], inputs[3], valid_lens(inputs), options(inputs), stream());
 }
 
 } // namespace mlx_batched_decode

@@ -78,6 +78,7 @@ DecodeShape check_quantized_arguments(const mx::array& queries, const std::vecto
     fail("the scales of keys and values must share one dtype, got " + dtype_str(keys[1].dtype()) + " and " +
          dtype_str(values[1].dtype()) + ".");
   }
+  d.Dv = d.D;
   check_heads(kOp, d);
   reject_ring(kOp, options);
   check_options(kOp, d, valid_lens, options);
@@ -97,9 +98,11 @@ mx::array quantized_batched_decode_attention(const mx::array& queries, const std
                                              const std::vector<mx::array>& values, const mx::array& valid_lens,
                                              int group_size, int bits, const DecodeOptions& options,
                                              mx::StreamOrDevice s) {
-  const DecodeShape d = check_quantized_arguments(queries, keys, values, valid_lens, group_size, bits, options);
+  const int B = keys.size() == 3 && keys[0].ndim() == 4 ? keys[0].shape(0) : 0;
+  const mx::array q = request_queries(kOp, queries, options, B, s);
+  const DecodeShape d = check_quantized_arguments(q, keys, values, valid_lens, group_size, bits, options);
   return decode_output<QuantizedBatchedDecodeAttention>(decode_call(
-      kOp, {queries, keys[0], keys[1], keys[2], values[0], values[1], values[2]}, valid_lens, options, d.T, d.D, s,
+      kOp, {q, keys[0], keys[1], keys[2], values[0], values[1], values[2]}, valid_lens, options, d.T, d.D, s,
       group_size, bits));
 }
 
@@ -115,7 +118,7 @@ mx::array QuantizedBatchedDecodeAttention::fallback(const std::vector<mx::array>
   const mx::array k = dequantized(inputs[kKeyWords], inputs[kKeyScales], inputs[kKeyBiases], group_size, bits, s);
   const mx::array v =
       dequantized(inputs[kValueWords], inputs[kValueScales], inputs[kValueBiases], group_size, bits, s);
-  const mx::array& q = inputs[0];
+  const mx::array q = call_queries(inputs);
   return mx::astype(
       reference_attention(mx::astype(q, mx::float32, s), k, v, valid_lens(inputs), options(inputs), s), q.dtype(), s);
 }

@@ -19,8 +19,8 @@ std::string item(const char* list, int b) {
 }
 
 // Request b's array of `list`: [1, H_kv, T_b, D] or [H_kv, T_b, D], of the
-// queries' dtype and head dim, and of the first request's H_kv.
-void check_request(const char* list, int b, const mx::array& a, mx::Dtype dtype, const DecodeShape& d, int H_kv) {
+// queries' dtype, of head dim D and of the first request's H_kv.
+void check_request(const char* list, int b, const mx::array& a, mx::Dtype dtype, int D, int H_kv) {
   if (a.ndim() != 3 && a.ndim() != 4) {
     fail(item(list, b) + " must have shape [1, H_kv, T_b, D] or [H_kv, T_b, D], got " + shape_str(a) + ".");
   }
@@ -32,9 +32,9 @@ void check_request(const char* list, int b, const mx::array& a, mx::Dtype dtype,
          item(list, b) + " is " + dtype_str(a.dtype()) + ".");
   }
   const int off = a.ndim() - 3;
-  if (a.shape(off + 2) != d.D) {
-    fail(item(list, b) + " has head dim " + std::to_string(a.shape(off + 2)) + " but queries have " +
-         std::to_string(d.D) + ".");
+  if (a.shape(off + 2) != D) {
+    fail(item(list, b) + " has head dim " + std::to_string(a.shape(off + 2)) + " but " +
+         (list[0] == 'k' ? "queries have " : "values[0] has ") + std::to_string(D) + ".");
   }
   if (a.shape(off) != H_kv) {
     fail(item(list, b) + " has " + std::to_string(a.shape(off)) + " key/value heads but keys[0] has " +
@@ -57,13 +57,17 @@ RaggedShape check_ragged_arguments(const mx::array& queries, const std::vector<m
     return r;
   }
   d.H_kv = keys[0].ndim() >= 3 ? keys[0].shape(keys[0].ndim() - 3) : 0;
+  d.Dv = values[0].ndim() >= 3 ? values[0].shape(-1) : 0;
   for (int b = 0; b < d.B; ++b) {
-    check_request("keys", b, keys[b], queries.dtype(), d, d.H_kv);
-    if (values[b].shape() != keys[b].shape()) {
-      fail(item("values", b) + " must have the shape of " + item("keys", b) + " " + shape_str(keys[b]) + ", got " +
-           shape_str(values[b]) + ".");
+    check_request("keys", b, keys[b], queries.dtype(), d.D, d.H_kv);
+    // Values may have a head dim of their own, the same for every request.
+    const mx::array& v = values[b];
+    if (v.ndim() != keys[b].ndim() ||
+        !std::equal(keys[b].shape().begin(), keys[b].shape().end() - 1, v.shape().begin())) {
+      fail(item("values", b) + " must have the shape of " + item("keys", b) + " " + shape_str(keys[b]) +
+           " but for the last axis, got " + shape_str(v) + ".");
     }
-    check_request("values", b, values[b], queries.dtype(), d, d.H_kv);
+    check_request("values", b, v, queries.dtype(), d.Dv, d.H_kv);
     r.lengths.push_back(keys[b].shape(keys[b].ndim() - 2));
   }
   d.T = *std::max_element(r.lengths.begin(), r.lengths.end());

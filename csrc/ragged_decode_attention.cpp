@@ -12,11 +12,12 @@ namespace mlx_batched_decode {
 mx::array ragged_decode_attention(const mx::array& queries, const std::vector<mx::array>& keys,
                                   const std::vector<mx::array>& values, const std::optional<mx::array>& valid_lens,
                                   const DecodeOptions& options, mx::StreamOrDevice s) {
-  const RaggedShape r = check_ragged_arguments(queries, keys, values, valid_lens, options);
+  const mx::array q = request_queries("ragged_decode_attention", queries, options, keys.size(), s);
+  const RaggedShape r = check_ragged_arguments(q, keys, values, valid_lens, options);
   if (r.d.B == 0) {
     return mx::zeros(queries.shape(), queries.dtype(), s);
   }
-  std::vector<mx::array> rows{queries};
+  std::vector<mx::array> rows{q};
   rows.insert(rows.end(), keys.begin(), keys.end());
   rows.insert(rows.end(), values.begin(), values.end());
   return decode_output<RaggedDecodeAttention>(
@@ -41,7 +42,7 @@ mx::array RaggedDecodeAttention::fallback(const std::vector<mx::array>& inputs) 
   const int B = inputs[0].shape(0);
   const std::vector<mx::array> keys(inputs.begin() + 1, inputs.begin() + 1 + B);
   const std::vector<mx::array> values(inputs.begin() + 1 + B, inputs.begin() + 1 + 2 * B);
-  return reference_ragged_attention(inputs[0], keys, values, valid_lens(inputs), options(inputs), stream());
+  return reference_ragged_attention(call_queries(inputs), keys, values, valid_lens(inputs), options(inputs), stream());
 }
 
 } // namespace mlx_batched_decode

@@ -332,19 +332,23 @@ inline void scores(const Scratch& s, const uint16_t* keys, int64_t k_stride, int
 }
 
 // Online softmax of one block on the 16 rows of a group, lane r = row g*16 + r:
-// scales S^T (in place, becoming P^T: weights exp(s - m_new), 0 outside each
-// row's keys [lo, hi) and past n), updates the running max m and sum l and
+// scales S^T and caps it when cap > 0 (softcap16), in place, becoming P^T:
+// weights exp(s - m_new), 0 outside each row's keys [lo, hi) and past n;
+// updates the running max m and sum l and
 // returns the factor alpha = exp(m_old - m_new) for the old accumulator (0
 // when m_old is -inf). `whole`: every row attends all of [t, t + n). Requests
 // the rows of `next`, a row of keys and one of values per key.
-inline __m512 softmax(float* st, int t, int n, float scale, __m512i lo, __m512i hi, bool whole, __m512& m, __m512& l,
-                      const NextBlock& next) {
+inline __m512 softmax(float* st, int t, int n, float scale, float cap, __m512i lo, __m512i hi, bool whole, __m512& m,
+                      __m512& l, const NextBlock& next) {
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
   const __m512 sc = _mm512_set1_ps(scale);
   __m512 m_new = m;
   for (int j = 0; j < n; ++j) {
     next.request(0, j);
     __m512 x = _mm512_mul_ps(_mm512_loadu_ps(st + j * kRows), sc);
+    if (cap > 0.0f) {
+      x = softcap16(x, cap);
+    }
     if (!whole) {
       const __m512i key = _mm512_set1_epi32(t + j);
       const __mmask16 in = _mm512_cmple_epi32_mask(lo, key) & _mm512_cmplt_epi32_mask(key, hi);

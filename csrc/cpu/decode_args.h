@@ -61,8 +61,9 @@ struct RequestRows {
 
 // Dimension legend: B requests, H_q query heads, H_kv key/value heads,
 // G = H_q / H_kv query heads per KV head, L query rows per request, T padded
-// length, D head dim. The R = G * L query rows of one (request, KV head) are
-// numbered r = g * L + i (head g, row i), their order in the output.
+// length, D head dim of queries and keys, Dv of values and the output. The
+// R = G * L query rows of one (request, KV head) are numbered r = g * L + i
+// (head g, row i), their order in the output.
 // Strides are in elements and may be anything (views are read in place).
 //
 // Paged layout (block_tables not null): keys and values are pools
@@ -77,6 +78,11 @@ struct RequestRows {
 // Ragged layout (requests not null): keys, values and their strides are
 // request b's (RequestRows) in of_request(b), the description a work item of
 // request b runs on; T is the longest length.
+//
+// Packed queries (query_starts not null): L is N, all requests' rows, and in
+// of_request(b) request b's own count, its rows first_row .. of every head
+// (the queries' batch stride is 0, the output [N, H_q, D]): so every loop
+// that reads rows() or L runs on one request's rows.
 struct DecodeArgs {
   const void* queries; // [B, H_q, L, D]
   const void* keys; // [B, H_kv, T, D], or a pool
@@ -89,10 +95,12 @@ struct DecodeArgs {
   const int32_t* kv_starts; // [B] or null (0), clamped to [0, T] by the kernel
   const float* sinks; // [H_q] or null
   const int32_t* ring_offsets = nullptr; // [B] or null, in [0, T) (the op takes them modulo T)
-  void* out; // [B, H_q, L, D], row contiguous
+  const int32_t* query_starts = nullptr; // [B + 1] or null (rows of one count L per request)
+  void* out; // [B, H_q, L, D] or, packed, [N, H_q, D]: see out_stride
   Dtype dtype;
   int B, H_q, H_kv, G, L, T, D;
   int Dp; // padded_head_dim(D)
+  int Dv, Dvp; // the values' head dim (the output's, the accumulators') and padded_head_dim(Dv)
   int window; // effective_window(): in [1, T], T (or 1) when the layer has none
   int64_t q_stride[4]; // batch, head, row, dim
   int64_t k_stride[4]; // batch, head, position, dim (paged: page, head, row, dim)
@@ -101,12 +109,25 @@ struct DecodeArgs {
   int64_t starts_stride;
   int64_t sinks_stride;
   int64_t ring_stride = 0;
+  int64_t query_starts_stride = 0;
+  int64_t out_stride[3]; // request, head, row (0 for the request when packed); the last axis contiguous
+  int first_row = 0; // packed: the first of this request's rows (of_request)
   float scale;
+  float softcap = 0.0f; // > 0: scores s become softcap * tanh(s / softcap); 0: none
   QuantizedRows quant; // bits == 0 for dense keys and values
   bool amx_tiles = false; // the AMX variant: 16-bit blocks may run on AMX tiles
 
   int rows() const {
     return G * L;
+  }
+  // Values of the keys' head dim and the output [B, H_q, L, D] row after row:
+  // what a description without packed rows or narrower values sets.
+  void same_head_dims() {
+    Dv = D;
+    Dvp = Dp;
+    out_stride[0] = static_cast<int64_t>(H_q) * L * D;
+    out_stride[1] = static_cast<int64_t>(L) * D;
+    out_stride[2] = D;
   }
   // Whether a work item of `rows` query rows (more than rows() where requests
   // share pages) may run on the AMX tiles. With fewer the vector path costs
@@ -115,7 +136,15 @@ struct DecodeArgs {
   // float32 and packed keys keep it.
   bool tiles_for(int rows) const {
     const int fewest = dtype == Dtype::float16 ? 12 : 8;
-    return amx_tiles && quant.bits == 0 && dtype != Dtype::float32 && rows >= fewest;
+    return amx_tiles && quant.bits == 0 && dtype != Dtype::float32 && D == Dv && rows >= fewest;
+  }
+  // This description with the values' head dim as D: what the value side's
+  // loads, which gather and pad rows of D elements, read through.
+  DecodeArgs value_rows() const {
+    DecodeArgs v = *this;
+    v.D = Dv;
+    v.Dp = Dvp;
+    return v;
   }
   // valid_lens[b] clamped to [0, T], and to request b's length in the ragged layout.
   int length(int b) const {
@@ -152,28 +181,55 @@ struct DecodeArgs {
     return {0, 0};
   }
   // The description request b's rows are read through: in the ragged layout,
-  // its own arrays and strides (batch stride 0), else this one.
+  // its own arrays and strides (batch stride 0); with packed queries, its
+  // own rows; else this one.
   DecodeArgs of_request(int b) const {
-    if (requests == nullptr) {
+    if (requests == nullptr && query_starts == nullptr) {
       return *this;
     }
     DecodeArgs a = *this;
-    a.keys = requests[b].keys;
-    a.values = requests[b].values;
-    std::copy_n(requests[b].k_stride, 4, a.k_stride);
-    std::copy_n(requests[b].v_stride, 4, a.v_stride);
+    if (requests != nullptr) {
+      a.keys = requests[b].keys;
+      a.values = requests[b].values;
+      std::copy_n(requests[b].k_stride, 4, a.k_stride);
+      std::copy_n(requests[b].v_stride, 4, a.v_stride);
+    }
+    if (query_starts != nullptr) {
+      // Clamped, so that no value moves a row outside [0, N); run_decode
+      // checks the starts as a whole (packed_rows_valid).
+      const int first = clamp_row(query_starts[b * query_starts_stride]);
+      a.first_row = first;
+      a.L = std::max(clamp_row(query_starts[(b + 1) * query_starts_stride]) - first, 0);
+    }
     return a;
+  }
+  // Packed queries: whether query_starts start at 0, never decrease and end
+  // at N, so that every row is one request's (the op checks them when it can
+  // read them; inside a transformation the kernel does).
+  bool packed_rows_valid() const {
+    if (query_starts[0] != 0 || query_starts[B * query_starts_stride] != L) {
+      return false;
+    }
+    for (int b = 0; b < B; ++b) {
+      if (query_starts[(b + 1) * query_starts_stride] < query_starts[b * query_starts_stride]) {
+        return false;
+      }
+    }
+    return true;
   }
 
  private:
   int clamp_position(int64_t n) const {
     return n < 0 ? 0 : (n > T ? T : static_cast<int>(n));
   }
+  int clamp_row(int64_t n) const {
+    return n < 0 ? 0 : (n > L ? L : static_cast<int>(n));
+  }
 };
 
 // Online-softmax state of the R query rows of one (request, KV head) over a
 // range of keys: running max m, running sum l and the unnormalised
-// accumulator acc [rows, Dp], all float32, stored back to back in one float
+// accumulator acc [rows, Dvp] (the values' padded head dim), all float32, stored back to back in one float
 // buffer. Rows are allocated in whole groups of 16, so that the AMX path
 // reads and writes whole tiles (rows past R are scratch), and so that each
 // state and its acc start on a cache line where the buffer does.

@@ -76,8 +76,8 @@ constexpr bool kAmx = false;
 // work item: scaled queries [R, Dp] (or unscaled ones in T, q_raw, for
 // kBf16Dot), scores [R, kBlock], the softmax rescale factors of a block [R],
 // the keys each row attends in a block (bit j: key t + j) [R], the key ranges
-// of the L rows and a block of key or value rows [kBlock, Dp] gathered from a
-// strided last axis or zero-padded to Dp.
+// of the L rows, the spans of rows a block's keys reach and a block of key or
+// value rows [kBlock, Dp] gathered from a strided last axis or zero-padded to Dp.
 template <typename T>
 struct Scratch {
   LineVector<float> q;
@@ -86,6 +86,7 @@ struct Scratch {
   LineVector<float> alpha;
   LineVector<uint32_t> masks;
   LineVector<KeyRange> ranges;
+  LineVector<KeyRange> spans;
   LineVector<T> block;
 
   void reserve(int R, int L, int Dp) {
@@ -97,6 +98,7 @@ struct Scratch {
     grow(alpha, static_cast<size_t>(R));
     grow(masks, static_cast<size_t>(R));
     grow(ranges, static_cast<size_t>(L));
+    grow(spans, static_cast<size_t>(R) + 1);
     grow(block, static_cast<size_t>(kBlock) * Dp);
   }
 
@@ -307,14 +309,13 @@ Lookahead successor_rows(const DecodeArgs& a, const int64_t* stride, const Chunk
   return {offset, std::min(kBlock, next->t1 - next->t0)};
 }
 
-// Covers query rows [0, R) with tiles of up to MaxH (4 or 2) rows: calls
+// Covers query rows [r, R) with tiles of up to MaxH (4 or 2) rows: calls
 // tile.template operator()<H>(r) for as many tiles of MaxH as fit, then one
-// of 2 and one of 1 as the rest needs. Only the first tile (r == 0) requests
-// the next rows, since all tiles read the same rows.
+// of 2 and one of 1 as the rest needs. Only the first tile of a block
+// requests the next rows, since all tiles read the same rows.
 template <int MaxH, typename Tile>
-inline void for_row_tiles(int R, Tile&& tile) {
+inline void for_row_tiles(int r, int R, Tile&& tile) {
   static_assert(MaxH == 2 || MaxH == 4);
-  int r = 0;
   for (; r + MaxH <= R; r += MaxH) {
     tile.template operator()<MaxH>(r);
   }
@@ -344,7 +345,7 @@ template <typename T>
 const T* query_row(const DecodeArgs& a, const Chunk& c, int r) {
   const int R = a.rows(), g = r % R / a.L, i = r % a.L;
   return static_cast<const T*>(a.queries) + c.request(r / R) * a.q_stride[0] +
-      static_cast<int64_t>(c.h * a.G + g) * a.q_stride[1] + i * a.q_stride[2];
+      static_cast<int64_t>(c.h * a.G + g) * a.q_stride[1] + static_cast<int64_t>(a.first_row + i) * a.q_stride[2];
 }
 
 // Loads the query rows of work item c (one head) into q: scaled float32 rows
@@ -473,9 +474,9 @@ struct AmxItem {
       const bool whole = group_keys[g].lo <= t && t + n <= group_keys[g].hi;
       __m512 m = _mm512_loadu_ps(st.m + first), l = _mm512_loadu_ps(st.l + first);
       amx::scores(s, keys, k_stride, g, Dq, split16, s.s.data());
-      const __m512 alpha = amx::softmax(
-          s.s.data(), t, n, a.scale, _mm512_loadu_si512(lo.data() + first), _mm512_loadu_si512(hi.data() + first), whole,
-          m, l, g == 0 ? next : amx::NextBlock{});
+      const __m512 alpha = amx::softmax(s.s.data(), t, n, a.scale, a.softcap, _mm512_loadu_si512(lo.data() + first),
+                                        _mm512_loadu_si512(hi.data() + first), whole, m, l,
+                                        g == 0 ? next : amx::NextBlock{});
       _mm512_storeu_ps(st.m + first, m);
       _mm512_storeu_ps(st.l + first, l);
       amx::transpose_weights(s.s.data(), s);
@@ -665,7 +666,7 @@ void score_quantized_block(const DecodeArgs& a, const float* qs, int b, int h, i
       for (int c = 0; c < 8; ++c) {
         prefetch_packed_row(rows[j + c], j + c, words, ahead);
       }
-      for_row_tiles<4>(a.rows(), [&]<int H>(int r) {
+      for_row_tiles<4>(0, a.rows(), [&]<int H>(int r) {
         for (int c = j; c < j + 8; c += 8 / H) {
           dot_rows_integer<Bits, D, H, 8 / H>(qwords + r * Dp, rows + c, sums + r * groups * kBlock + c, kBlock, Dp,
                                               group_size);
@@ -680,7 +681,7 @@ void score_quantized_block(const DecodeArgs& a, const float* qs, int b, int h, i
     for (int c = 0; c < kQuantKeys; ++c) {
       prefetch_packed_row(rows[j + c], j + c, words, ahead);
     }
-    for_row_tiles<4>(a.rows(), [&]<int H>(int r) {
+    for_row_tiles<4>(0, a.rows(), [&]<int H>(int r) {
       dot_rows_quantized<Bits, D, H, kQuantKeys>(qs + r * Dp, qsum + r * groups, rows + j, scales + j, biases + j,
                                                  kBlock, scores + r * kBlock + j, kBlock, Dp, group_size);
     });
@@ -727,7 +728,7 @@ void accumulate_quantized_block(const DecodeArgs& a, int b, int h, int t, int n,
   const int words = a.D * Bits / 32, group_size = a.quant.group_size;
   // Masked keys weigh 0 in ws and bias_sum, and their integers are finite: no mask needed.
   auto tiles = [&]<bool Wide>() {
-    for_row_tiles<4>(R, [&]<int H>(int r) {
+    for_row_tiles<4>(0, R, [&]<int H>(int r) {
       accumulate_rows_quantized<Bits, D, H, Wide>(acc + r * Dp, alpha + r, ws + r * groups * kBlock, kBlock,
                                                   bias_sum + r * groups, rows, n, Dp, group_size, words,
                                                   r == 0 ? ahead : Lookahead{});
@@ -768,9 +769,11 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
   const int t0 = c.t0, t1 = c.t1;
   // Rows of all c.count requests; their L row ranges each are lines = count * L.
   const int R = c.count * a.rows(), L = a.L, lines = c.count * L;
-  const int Dp = D ? D : a.Dp;
+  // Queries and keys are Dp wide, values and accumulators Dvp (the same for a fast head dim).
+  const int Dp = D ? D : a.Dp, Dvp = D ? D : a.Dvp;
+  const DecodeArgs av = a.value_rows();
   Scratch<T>& s = tls_scratch<T>;
-  s.reserve(R * c.heads, lines, Dp);
+  s.reserve(R * c.heads, lines, std::max(Dp, Dvp));
   float* scores = s.scores.data();
   float* alpha = s.alpha.data();
   uint32_t* masks = s.masks.data();
@@ -811,7 +814,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
     for (int r = 0; r < (tiles_may_run ? PartialState::rows(R) : R); ++r) {
       pass.st.m[r] = kNegInf;
       pass.st.l[r] = 0.0f;
-      std::fill_n(pass.st.acc + r * Dp, Dp, 0.0f);
+      std::fill_n(pass.st.acc + r * Dvp, Dvp, 0.0f);
     }
   }
 
@@ -877,7 +880,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
       if (vs.paged()) {
         // The first block's values are requested while its keys are scored, in
         // case no previous chunk requested them.
-        vs.prefetch(t0, std::min(kBlock, t1 - t0), a.D);
+        vs.prefetch(t0, std::min(kBlock, t1 - t0), a.Dv);
       } else if (!gathered<D>(a.v_stride)) {
         prefetch_rows<T, D>(vs.base + t0 * a.v_stride[2], a.v_stride[2], std::min(kBlock, t1 - t0));
       }
@@ -903,7 +906,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
       if constexpr (kAmx<T> && Bits == 0) {
         if (tiles.block(a, ks, vs, t, n, k_next, v_next, rows, st, [&](int side) {
-              return side ? load_block<T, D>(a, vs, t, n, v_after, block, rows)
+              return side ? load_block<T, D>(av, vs, t, n, v_after, block, rows)
                           : load_block<T, D>(a, ks, t, n, k_after, block, rows);
             })) {
           continue;
@@ -915,12 +918,8 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
         load_queries<T, D>(a, pass.c, qs, pass.q_raw);
         pass.vector_queries = true;
       }
-      // Each key row is read once and scored against all R query rows, two at a
-      // time (four with the bfloat16 dot product).
       uint32_t valid = n == 32 ? ~0u : (1u << n) - 1; // positions that hold a key
-      if constexpr (Bits != 0) {
-        score_quantized_block<Bits, D, kScoresOnIntegers<T>>(a, qs, c.b, c.h, t, n, t1, scores, quantized);
-      } else {
+      if constexpr (Bits == 0) {
         if (paged_heads && i > 0) {
           shift_rows(0, i, n);
           valid = first_valid;
@@ -934,46 +933,92 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
             k_next = pass_next(0, 0, t, n);
           }
         }
-        for (int j = 0; j < n; j += 4) {
-          const Lookahead ahead{k_next.offset, k_next.rows - j, k_next.offsets ? k_next.offsets + j : nullptr};
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-          if constexpr (kBf16Dot<T>) {
-            for_row_tiles<4>(R, [&]<int H>(int r) {
-              dot_4_rows<Bf16Pairs, D, H>(pass.q_raw + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp,
-                                          r == 0 ? ahead : Lookahead{}, a.scale);
-            });
-            continue;
-          }
-#endif
-          for_row_tiles<kScoreRows>(R, [&]<int H>(int r) {
-            dot_4_rows<VectorLanes, D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp,
-                                          r == 0 ? ahead : Lookahead{});
-          });
-        }
       }
-
       // Rows whose range cuts this block (L > 1: the rows' ends differ, and their
       // window starts; requests sharing pages have their own ranges) take no
       // score and no value from the keys outside it, nor from a position with no key.
       const uint32_t all = n == 32 ? ~0u : (1u << n) - 1;
       bool masked = false;
+      int reached = 0; // lines some key of the block reaches
       for (int l = 0; l < lines; ++l) {
         masks[l] = block_mask(s.ranges[l], t, n) & valid;
         masked |= masks[l] != all;
+        reached += masks[l] != 0;
       }
-      if (masked) {
-        // Row r reads line r / (G * L) * L + r % L <= r: descending keeps the lines it needs.
-        for (int r = R - 1; r >= 0; --r) {
-          masks[r] = masks[r / a.rows() * L + r % L];
-          for (int j = 0; j < n; ++j) {
-            if (!(masks[r] >> j & 1u)) {
-              scores[r * kBlock + j] = kNegInf;
+      // The rows the block's keys reach, as spans: all R rows, or (a prefill
+      // chunk's early blocks, which its later rows alone attend) each head's
+      // rows from its first reached line to its last, so that the causal
+      // triangle costs half the square. The quantized loops take all rows.
+      KeyRange* spans = s.spans.data();
+      int n_spans = 0;
+      if (reached == lines || Bits != 0) {
+        spans[n_spans++] = {0, R};
+      } else {
+        for (int m = 0; m < c.count; ++m) {
+          int first = L, last = -1;
+          for (int l = 0; l < L; ++l) {
+            if (masks[m * L + l] != 0) {
+              first = std::min(first, l);
+              last = l;
+            }
+          }
+          for (int g = 0; g < a.G && last >= 0; ++g) {
+            const int lo = m * a.rows() + g * L + first, hi = m * a.rows() + g * L + last + 1;
+            if (n_spans > 0 && spans[n_spans - 1].hi == lo) {
+              spans[n_spans - 1].hi = hi;
+            } else {
+              spans[n_spans++] = {lo, hi};
             }
           }
         }
       }
-      for (int r = 0; r < R; ++r) {
-        alpha[r] = softmax_block(scores + r * kBlock, n, st.m[r], st.l[r]);
+      // Each key row is read once and scored against the rows it reaches, two at
+      // a time (four with the bfloat16 dot product).
+      if constexpr (Bits != 0) {
+        score_quantized_block<Bits, D, kScoresOnIntegers<T>>(a, qs, c.b, c.h, t, n, t1, scores, quantized);
+      } else {
+        const int first_row = n_spans > 0 ? spans[0].lo : 0;
+        for (int j = 0; j < n; j += 4) {
+          const Lookahead ahead{k_next.offset, k_next.rows - j, k_next.offsets ? k_next.offsets + j : nullptr};
+          for (int sp = 0; sp < n_spans; ++sp) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+            if constexpr (kBf16Dot<T>) {
+              for_row_tiles<4>(spans[sp].lo, spans[sp].hi, [&]<int H>(int r) {
+                dot_4_rows<Bf16Pairs, D, H>(pass.q_raw + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp,
+                                            r == first_row ? ahead : Lookahead{}, a.scale);
+              });
+              continue;
+            }
+#endif
+            for_row_tiles<kScoreRows>(spans[sp].lo, spans[sp].hi, [&]<int H>(int r) {
+              dot_4_rows<VectorLanes, D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp,
+                                            r == first_row ? ahead : Lookahead{});
+            });
+          }
+        }
+      }
+      for (int sp = 0; sp < n_spans && a.softcap > 0.0f; ++sp) {
+        for (int r = spans[sp].lo; r < spans[sp].hi; ++r) {
+          softcap_scores(scores + r * kBlock, n, a.softcap);
+        }
+      }
+      if (masked) {
+        // Row r reads line r / (G * L) * L + r % L <= r: descending keeps the lines it needs.
+        for (int sp = n_spans - 1; sp >= 0; --sp) {
+          for (int r = spans[sp].hi - 1; r >= spans[sp].lo; --r) {
+            masks[r] = masks[r / a.rows() * L + r % L];
+            for (int j = 0; j < n; ++j) {
+              if (!(masks[r] >> j & 1u)) {
+                scores[r * kBlock + j] = kNegInf;
+              }
+            }
+          }
+        }
+      }
+      for (int sp = 0; sp < n_spans; ++sp) {
+        for (int r = spans[sp].lo; r < spans[sp].hi; ++r) {
+          alpha[r] = softmax_block(scores + r * kBlock, n, st.m[r], st.l[r]);
+        }
       }
 
       if constexpr (Bits != 0) {
@@ -985,24 +1030,26 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
         shift_rows(1, i, n);
         v_next = pass_next(1, i, t, n);
       } else {
-        load_block<T, D>(a, vs, t, n, v_after, block, rows, &v_next, v_ahead);
+        load_block<T, D>(av, vs, t, n, v_after, block, rows, &v_next, v_ahead);
         if (paged_heads) {
           std::copy_n(rows, kBlock, first_rows[1]);
           first_next[1] = v_next;
           v_next = pass_next(1, 0, t, n);
         }
       }
-      if (masked) {
-        for_row_tiles<4>(R, [&]<int H>(int r) {
-          accumulate_rows<VectorLanes, D, H, true>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n,
-                                                   Dp, masks + r);
+      for (int sp = 0; sp < n_spans; ++sp) {
+        if (masked) {
+          for_row_tiles<4>(spans[sp].lo, spans[sp].hi, [&]<int H>(int r) {
+            accumulate_rows<VectorLanes, D, H, true>(st.acc + r * Dvp, alpha + r, scores + r * kBlock, kBlock, rows,
+                                                     n, Dvp, masks + r);
+          });
+          continue;
+        }
+        for_row_tiles<4>(spans[sp].lo, spans[sp].hi, [&]<int H>(int r) {
+          accumulate_rows<VectorLanes, D, H, false>(st.acc + r * Dvp, alpha + r, scores + r * kBlock, kBlock, rows, n,
+                                                    Dvp, nullptr, r == spans[0].lo ? v_next : Lookahead{});
         });
-        continue;
       }
-      for_row_tiles<4>(R, [&]<int H>(int r) {
-        accumulate_rows<VectorLanes, D, H, false>(st.acc + r * Dp, alpha + r, scores + r * kBlock, kBlock, rows, n,
-                                                  Dp, nullptr, r == 0 ? v_next : Lookahead{});
-      });
     }
   }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -1015,14 +1062,15 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
 template <typename T, int D>
 void finalize(const DecodeArgs& a, int b, int h, float* parts, int n) {
   const int R = a.rows();
-  const int Dp = D ? D : a.Dp;
-  const int64_t part_size = PartialState::size(R, Dp);
-  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.H_q + h * a.G) * a.L * a.D;
+  const int Dvp = D ? D : a.Dvp;
+  const int64_t part_size = PartialState::size(R, Dvp);
+  T* out = static_cast<T*>(a.out) + b * a.out_stride[0] + static_cast<int64_t>(h) * a.G * a.out_stride[1] +
+      static_cast<int64_t>(a.first_row) * a.out_stride[2];
   const int len = a.length(b), start = a.start(b);
   for (int r = 0; r < R; ++r) {
-    T* o = out + static_cast<int64_t>(r) * a.D;
+    T* o = out + r / a.L * a.out_stride[1] + r % a.L * a.out_stride[2];
     if (n == 0 || a.row_range(len, start, r % a.L).empty()) {
-      std::fill_n(o, a.D, T(0.0f));
+      std::fill_n(o, a.Dv, T(0.0f));
       continue;
     }
     float m = kNegInf;
@@ -1040,11 +1088,11 @@ void finalize(const DecodeArgs& a, int b, int h, float* parts, int n) {
       const PartialState p = PartialState::at(parts + c * part_size, R);
       const float w = p.m[r] == kNegInf ? 0.0f : std::exp(p.m[r] - m_all);
       l += w * p.l[r];
-      axpy(acc, w, p.acc + r * Dp, Dp);
+      axpy(acc, w, p.acc + r * Dvp, Dvp);
     }
     // A paged row whose positions all lie in blocks outside the pool has no key.
     if (l == 0.0f && !holds_key(a, b, a.row_range(len, start, r % a.L))) {
-      std::fill_n(o, a.D, T(0.0f));
+      std::fill_n(o, a.Dv, T(0.0f));
       continue;
     }
     // Otherwise l == 0 only when every score was -inf: 0/0 = NaN, as in the reference.
@@ -1054,7 +1102,7 @@ void finalize(const DecodeArgs& a, int b, int h, float* parts, int n) {
         store8(o + e, load8(acc + e) * inv);
       }
     } else {
-      for (int e = 0; e < a.D; ++e) {
+      for (int e = 0; e < a.Dv; ++e) {
         o[e] = static_cast<T>(acc[e] * inv[0]);
       }
     }

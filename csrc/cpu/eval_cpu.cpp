@@ -1,6 +1,7 @@
 // eval_cpu of the op family: each op describes its call in plain terms
 // (DecodeArgs: the part every layout shares, then what its row source adds)
 // and queues the one CPU kernel on the stream's command encoder.
+#include <algorithm>
 #include <array>
 #include <memory>
 #include <vector>
@@ -53,6 +54,8 @@ cpu::DecodeArgs describe(const DecodePrimitive& p, const std::vector<mx::array>&
   a.T = rows.T;
   a.D = q.shape(3);
   a.Dp = cpu::padded_head_dim(a.D);
+  a.Dv = out.shape(-1);
+  a.Dvp = cpu::padded_head_dim(a.Dv);
   a.window = effective_window(p.attributes().window, a.T);
   for (int i = 0; i < 4; ++i) {
     a.q_stride[i] = q.strides(i);
@@ -68,6 +71,19 @@ cpu::DecodeArgs describe(const DecodePrimitive& p, const std::vector<mx::array>&
   a.ring_offsets = ring ? ring->data<int32_t>() : nullptr;
   a.ring_stride = ring ? ring->strides(0) : 0;
   a.scale = p.attributes().scale;
+  a.softcap = p.attributes().softcap;
+  if (const mx::array* qs = p.query_starts(inputs)) {
+    a.query_starts = qs->data<int32_t>();
+    a.query_starts_stride = qs->strides(0);
+  }
+  // out: [B, H_q, L, D], or [N, H_q, D] for packed rows.
+  if (a.query_starts) {
+    a.out_stride[0] = 0;
+    a.out_stride[1] = out.strides(1);
+    a.out_stride[2] = out.strides(0);
+  } else {
+    std::copy_n(out.strides().begin(), 3, a.out_stride);
+  }
   if (const mx::array* tables = rows.block_tables) {
     a.block_tables = tables->data<int32_t>();
     a.table_stride[0] = tables->strides(0);
@@ -117,7 +133,7 @@ void PagedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::ar
 
 void QuantizedBatchedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   cpu::DecodeArgs a = describe(*this, inputs, out);
-  a.Dp = a.D; // a multiple of group_size, so of 32
+  a.Dp = a.Dvp = a.D; // a multiple of group_size, so of 32 (the op takes no Dv of its own here)
   a.quant.bits = attributes().bits;
   a.quant.group_size = attributes().group_size;
   a.quant.scales_dtype = to_kernel_dtype(inputs[kKeyScales].dtype());

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <thread>
@@ -64,8 +65,11 @@ struct Call {
   std::vector<Slot> slots;
   std::vector<int> members; // the requests of shared items, which point into it
   std::vector<int64_t> parts_begin; // [pairs + 1], prefix sum of chunk counts
-  // Partial states, PartialState::size(rows, Dp) each; left unset (a call's
-  // are megabytes), since each chunk sets its own rows before any are read.
+  // [pairs + 1]: where each pair's states start in parts, PartialState::size(rows, Dvp)
+  // each for its request's rows.
+  std::vector<int64_t> parts_offset;
+  // Partial states; left unset (a call's are megabytes), since each chunk
+  // sets its own rows before any are read.
   LineArray<float> parts;
   std::unique_ptr<std::atomic<int>[]> remaining; // chunks left per pair
   std::atomic<int> next{0};
@@ -73,14 +77,16 @@ struct Call {
 
   void process(const Item& it, const Item* following) {
     const Chunk& c = it.chunk;
-    const int R = args.rows();
-    const int64_t part_size = PartialState::size(R, args.Dp);
+    // Requests of shared items have rows of one count (plan_paged).
+    const DecodeArgs own = args.of_request(c.b);
+    const int R = own.rows();
+    const int64_t part_size = PartialState::size(R, args.Dvp);
     const Chunk* after = following ? &following->chunk : nullptr;
     auto state_of = [&](const Slot& slot) {
-      return parts.get() + (parts_begin[slot.pair] + slot.part) * part_size;
+      return parts.get() + parts_offset[slot.pair] + slot.part * part_size;
     };
     if (c.t1 <= c.t0) {
-      fns.finalize(args, c.b, c.h, nullptr, 0);
+      fns.finalize(own, c.b, c.h, nullptr, 0);
       return;
     }
     // The item's slots are head-major: head c.h + i, member m at it.slot + i * count + m.
@@ -89,13 +95,13 @@ struct Call {
       for (int i = 0; i < c.heads; ++i) {
         states[i] = PartialState::at(state_of(slots[it.slot + i]), R);
       }
-      fns.chunk(args.of_request(c.b), c, states, after);
+      fns.chunk(own, c, states, after);
     } else {
       // One state per head for all requests' rows, then each request's rows to
       // its own slot, where they merge with its other chunks as split-K parts do.
       thread_local LineVector<float> shared;
       const int all_rows = c.count * R;
-      const int64_t all_size = PartialState::size(all_rows, args.Dp);
+      const int64_t all_size = PartialState::size(all_rows, args.Dvp);
       shared.resize(all_size * c.heads);
       for (int i = 0; i < c.heads; ++i) {
         states[i] = PartialState::at(shared.data() + i * all_size, all_rows);
@@ -106,7 +112,7 @@ struct Call {
           const PartialState own = PartialState::at(state_of(slots[it.slot + i * c.count + m]), R);
           std::copy_n(states[i].m + m * R, R, own.m);
           std::copy_n(states[i].l + m * R, R, own.l);
-          std::copy_n(states[i].acc + static_cast<int64_t>(m) * R * args.Dp, static_cast<int64_t>(R) * args.Dp,
+          std::copy_n(states[i].acc + static_cast<int64_t>(m) * R * args.Dvp, static_cast<int64_t>(R) * args.Dvp,
                       own.acc);
         }
       }
@@ -119,7 +125,7 @@ struct Call {
         const int64_t pair = slots[it.slot + i * c.count + m].pair;
         if (remaining[pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {
           const int n = static_cast<int>(parts_begin[pair + 1] - parts_begin[pair]);
-          fns.finalize(args, c.request(m), c.h + i, parts.get() + parts_begin[pair] * part_size, n);
+          fns.finalize(args.of_request(c.request(m)), c.request(m), c.h + i, parts.get() + parts_offset[pair], n);
         }
       }
     }
@@ -176,8 +182,9 @@ void plan_dense(const DecodeArgs& a, Call& call) {
   int64_t total = 0;
   for (int b = 0; b < a.B; ++b) {
     // Only the keys some query row attends are read: a window or a start skips the rest.
-    const int heads = item_heads(a, b, a.rows());
-    const std::vector<Chunk> pieces = dense_pieces(a, b, a.request_range(b));
+    const DecodeArgs own = a.of_request(b);
+    const int heads = item_heads(a, b, own.rows());
+    const std::vector<Chunk> pieces = dense_pieces(a, b, own.request_range(b));
     const int chunks = static_cast<int>(pieces.size());
     for (int h = 0; h < a.H_kv; ++h) {
       const int64_t pair = static_cast<int64_t>(b) * a.H_kv + h;
@@ -204,9 +211,11 @@ void plan_dense(const DecodeArgs& a, Call& call) {
 }
 
 // Items of a paged call: the keys on a grid of kChunk positions, one item per
-// group of requests that read the same pages in a cell (shared_blocks.h), per head.
+// group of requests that read the same pages in a cell (shared_blocks.h), per
+// head. Packed rows differ in count per request: their requests share no item.
 void plan_paged(const DecodeArgs& a, Call& call) {
-  const std::vector<CellGroup> groups = group_shared_cells(a, kChunk, kMaxSharedRows / std::max(1, a.rows()));
+  const int max_members = a.query_starts ? 1 : kMaxSharedRows / std::max(1, a.rows());
+  const std::vector<CellGroup> groups = group_shared_cells(a, kChunk, max_members);
   std::vector<int> chunks(a.B, 0);
   for (const CellGroup& g : groups) {
     for (int b : g.requests) {
@@ -232,7 +241,7 @@ void plan_paged(const DecodeArgs& a, Call& call) {
     const int count = static_cast<int>(g.requests.size());
     const int64_t at = static_cast<int64_t>(call.members.size());
     call.members.insert(call.members.end(), g.requests.begin(), g.requests.end());
-    const int heads = item_heads(a, g.requests[0], count * a.rows());
+    const int heads = item_heads(a, g.requests[0], count * a.of_request(g.requests[0]).rows());
     for (int h = 0; h < a.H_kv; h += heads) {
       Chunk item{g.requests[0], h, g.t0, g.t1, nullptr, count};
       item.heads = std::min(heads, a.H_kv - h);
@@ -261,7 +270,9 @@ std::shared_ptr<Call> plan(const DecodeArgs& a) {
   auto call = std::make_shared<Call>();
   call->args = a;
   call->args.amx_tiles = tiles_selected();
-  call->fns = a.quant.bits ? quantized_kernel_fns(a.dtype, a.D, a.quant.bits) : kernel_fns(a.dtype, a.D);
+  // Keys and values of different head dims run the generic kernel (head dim 0).
+  const int head_dim = a.D == a.Dv ? a.D : 0;
+  call->fns = a.quant.bits ? quantized_kernel_fns(a.dtype, head_dim, a.quant.bits) : kernel_fns(a.dtype, head_dim);
   if (call->fns.chunk == nullptr) {
     throw std::logic_error("[batched_decode_attention] the CPU kernel variant " + current_isa() +
                            " has no kernel for this call");
@@ -275,7 +286,15 @@ std::shared_ptr<Call> plan(const DecodeArgs& a) {
   } else {
     plan_dense(call->args, *call);
   }
-  call->parts = make_line_array<float>(call->parts_begin[pairs] * PartialState::size(a.rows(), a.Dp));
+  call->parts_offset.resize(pairs + 1);
+  int64_t offset = 0;
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    call->parts_offset[pair] = offset;
+    const int rows = a.of_request(static_cast<int>(pair / a.H_kv)).rows();
+    offset += (call->parts_begin[pair + 1] - call->parts_begin[pair]) * PartialState::size(rows, a.Dvp);
+  }
+  call->parts_offset[pairs] = offset;
+  call->parts = make_line_array<float>(offset);
   return call;
 }
 
@@ -312,6 +331,12 @@ uint64_t shared_items() {
 
 void run_decode(const DecodeArgs& args) {
   g_calls.fetch_add(1);
+  if (args.query_starts && !args.packed_rows_valid()) {
+    // Rows no request (or two) would own: the whole output is zeros instead.
+    const size_t bytes = args.dtype == Dtype::float32 ? 4 : 2;
+    std::memset(args.out, 0, static_cast<size_t>(args.L) * args.H_q * args.D * bytes);
+    return;
+  }
   auto call = plan(args);
   const int n_items = static_cast<int>(call->items.size());
   if (n_items == 0) {
@@ -321,7 +346,8 @@ void run_decode(const DecodeArgs& args) {
   // K/V elements read, times the rows that use each: the arithmetic grows with L.
   int64_t elements = 0;
   for (const Item& it : call->items) {
-    elements += static_cast<int64_t>(it.chunk.t1 - it.chunk.t0) * args.D * args.L * it.chunk.count * it.chunk.heads;
+    const int rows = args.query_starts ? args.of_request(it.chunk.b).L : args.L;
+    elements += static_cast<int64_t>(it.chunk.t1 - it.chunk.t0) * args.D * rows * it.chunk.count * it.chunk.heads;
   }
   const int helpers = elements < kMinParallelElements
       ? 0

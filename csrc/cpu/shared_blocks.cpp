@@ -25,7 +25,7 @@ std::vector<CellGroup> group_shared_cells(const DecodeArgs& a, int cell, int max
   // Hash of (bounds, entries) -> the groups with that hash that still take members.
   std::unordered_map<uint64_t, std::vector<int>> open;
   for (int b = 0; b < a.B; ++b) {
-    const KeyRange keys = a.request_range(b);
+    const KeyRange keys = a.of_request(b).request_range(b);
     for (int t0 = keys.lo, t1; t0 < keys.hi; t0 = t1) {
       t1 = std::min(keys.hi, (t0 / cell + 1) * cell);
       const int first = t0 / a.block_size, last = (t1 - 1) / a.block_size;

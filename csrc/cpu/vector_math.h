@@ -79,6 +79,19 @@ inline f32x8 exp8(f32x8 x) {
   return select(nan, x, select(underflow, splat(0.0f), p * two_k));
 }
 
+// cap * tanh(x / cap) on eight lanes, as cap - 2 cap / (exp(2 x / cap) + 1):
+// exp8 saturates, so large |x| (infinities included) gives +-cap; NaN stays NaN.
+inline f32x8 softcap8(f32x8 x, float cap) {
+  return splat(cap) - splat(2.0f * cap) / (exp8(x * (2.0f / cap)) + 1.0f);
+}
+
+// Caps scores x[0, n) in place (softcap8); x must have room for n rounded up to 8.
+inline void softcap_scores(float* x, int n, float cap) {
+  for (int j = 0; j < n; j += 8) {
+    store8(x + j, softcap8(load8(x + j), cap));
+  }
+}
+
 // Larger of a and b lane by lane, ignoring NaN in b like std::max(a, b).
 inline f32x8 max8(f32x8 a, f32x8 b) {
   return select(a < b, b, a);
@@ -105,6 +118,13 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   const __m512 two_k = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k_int, _mm512_set1_epi32(127)), 23));
   return _mm512_mask_blend_ps(nan, _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, two_k), x);
+}
+
+// softcap8 on 16 lanes.
+inline __m512 softcap16(__m512 x, float cap) {
+  const __m512 e = exp16(_mm512_mul_ps(x, _mm512_set1_ps(2.0f / cap)));
+  return _mm512_sub_ps(_mm512_set1_ps(cap),
+                       _mm512_div_ps(_mm512_set1_ps(2.0f * cap), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
 }
 
 // One block of the online softmax of one head over scores x[0, n).

@@ -34,19 +34,26 @@ def row_range(length: int, start: int, rows: int, i: int, window: int | None) ->
     return lo, p + 1
 
 
-def reference_attention(queries, keys, values, valid_lens, scale, kv_starts=None, window=None, sinks=None):
+def capped(scores, softcap=None):
+    """Scores through logit softcapping: c * tanh(s / c) for softcap c > 0; unchanged for None."""
+    return scores if softcap is None else softcap * np.tanh(scores / softcap)
+
+
+def reference_attention(queries, keys, values, valid_lens, scale, kv_starts=None, window=None, sinks=None,
+                        softcap=None):
     """float64 attention of each query row over its own range of keys.
 
-    queries [B, H_q, L, D], keys/values [B, H_kv, T, D] (float64), valid_lens and
+    queries [B, H_q, L, D], keys [B, H_kv, T, D], values [B, H_kv, T, Dv] (float64), valid_lens and
     kv_starts [B] (clamped to [0, T]), window an int >= 1 or None, sinks [H_q] or None.
     Row i of request b sits at p = len_b - L + i and attends keys
     max(start_b, p - window + 1, 0) .. p; a sink is one more logit in the row's
     softmax, with no value. A row with no key gets zeros. Keys outside a row's
-    range are never looked at, so NaN there changes nothing.
+    range are never looked at, so NaN there changes nothing. softcap: None, or
+    c > 0: each score s = scale * q . k becomes c * tanh(s / c); sinks are not capped.
     """
-    b, h_q, rows, d = queries.shape
+    b, h_q, rows, _ = queries.shape
     h_kv, t = keys.shape[1], keys.shape[2]
-    out = np.zeros((b, h_q, rows, d))
+    out = np.zeros((b, h_q, rows, values.shape[-1]))
     for n in range(b):
         length = int(np.clip(valid_lens[n], 0, t))
         start = 0 if kv_starts is None else int(np.clip(kv_starts[n], 0, t))
@@ -56,7 +63,7 @@ def reference_attention(queries, keys, values, valid_lens, scale, kv_starts=None
                 continue
             for h in range(h_q):
                 kv = h // (h_q // h_kv)
-                scores = keys[n, kv, lo:hi] @ queries[n, h, i] * scale
+                scores = capped(keys[n, kv, lo:hi] @ queries[n, h, i] * scale, softcap)
                 m = scores.max() if sinks is None else max(scores.max(), float(sinks[h]))
                 # Non-finite scores give NaN where a softmax does (all -inf: 0/0), quietly.
                 with np.errstate(invalid="ignore"):
@@ -66,19 +73,37 @@ def reference_attention(queries, keys, values, valid_lens, scale, kv_starts=None
     return out
 
 
+def query_starts_valid(query_starts, n: int) -> bool:
+    """Whether query_starts [B + 1] start at 0, never decrease and end at N = ``n``."""
+    return query_starts[0] == 0 and query_starts[-1] == n and bool(np.all(np.diff(query_starts) >= 0))
+
+
+def packed_reference(request_reference, queries, query_starts, dv: int) -> np.ndarray:
+    """Packed queries [N, H_q, D] (float64) with query_starts [B + 1]: the [N, H_q, Dv] output,
+    each request's q_b rows an L = q_b call (``request_reference(b, q)`` maps request b's rows as
+    [1, H_q, q_b, D] to [1, H_q, q_b, Dv]); all zeros for malformed starts (query_starts_valid)."""
+    out = np.zeros((queries.shape[0], queries.shape[1], dv))
+    if not query_starts_valid(query_starts, queries.shape[0]):
+        return out
+    for b, (lo, hi) in enumerate(zip(query_starts[:-1], query_starts[1:])):
+        if hi > lo:
+            out[lo:hi] = request_reference(b, queries[lo:hi].transpose(1, 0, 2)[None])[0].transpose(1, 0, 2)
+    return out
+
+
 def paged_reference_attention(queries, key_pages, value_pages, block_tables, valid_lens, scale, window=None,
-                              sinks=None):
+                              sinks=None, softcap=None):
     """float64 attention over paged caches, one query row at a time.
 
     key_pages/value_pages [NB, BS, H_kv, D] (float64), block_tables [B, MB] (ints),
     valid_lens [B] (clamped to [0, MB * BS]). Position j of request b is row j % BS of
     block block_tables[b, j // BS]; a position whose block lies outside [0, NB) holds no
-    key. Otherwise as ``reference_attention``: a row with no key gets zeros.
+    key. Otherwise as ``reference_attention``: a row with no key gets zeros; softcap caps scores.
     """
-    b, h_q, rows, d = queries.shape
+    b, h_q, rows, _ = queries.shape
     nb, bs, h_kv = key_pages.shape[:3]
     t = block_tables.shape[1] * bs
-    out = np.zeros((b, h_q, rows, d))
+    out = np.zeros((b, h_q, rows, value_pages.shape[-1]))
     for n in range(b):
         length = int(np.clip(valid_lens[n], 0, t))
         for i in range(rows):
@@ -91,7 +116,7 @@ def paged_reference_attention(queries, key_pages, value_pages, block_tables, val
             for h in range(h_q):
                 kv = h // (h_q // h_kv)
                 keys, values = key_pages[blk, off, kv], value_pages[blk, off, kv]
-                scores = keys @ queries[n, h, i] * scale
+                scores = capped(keys @ queries[n, h, i] * scale, softcap)
                 m = scores.max() if sinks is None else max(scores.max(), float(sinks[h]))
                 with np.errstate(invalid="ignore"):
                     weights = np.exp(scores - m)

@@ -34,11 +34,11 @@ def paged_case(dtype, D, G, L, block_size, window, seed):
     return q, k, v, k_nan, v_nan, tables
 
 
-def float64_paged(q, k, v, tables, lens, window=None, sinks=None):
+def float64_paged(q, k, v, tables, lens, window=None, sinks=None, softcap=None):
     scale = 1.0 / np.sqrt(q.shape[-1])
     s = None if sinks is None else to_numpy64(sinks)
     return paged_reference_attention(
-        to_numpy64(q), to_numpy64(k), to_numpy64(v), tables, np.asarray(lens), scale, window, s
+        to_numpy64(q), to_numpy64(k), to_numpy64(v), tables, np.asarray(lens), scale, window, s, softcap
     )
 
 

@@ -80,12 +80,12 @@ def case(dtype, D, G, L, group_size, bits, scale_dtype=None, starts=None, window
     return q, kq, vq, poisoned(kq, unread), poisoned(vq, unread)
 
 
-def expected(q, kq, vq, lens, group_size, bits, starts=None, window=None, sinks=None, scale=None):
+def expected(q, kq, vq, lens, group_size, bits, starts=None, window=None, sinks=None, scale=None, softcap=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return float64_attention(
         to_numpy64(q), dequantize64(*kq, group_size, bits), dequantize64(*vq, group_size, bits),
         np.asarray(lens, dtype=np.int64), scale, None if starts is None else np.asarray(starts, dtype=np.int64),
-        window, None if sinks is None else to_numpy64(sinks))
+        window, None if sinks is None else to_numpy64(sinks), softcap)
 
 
 def check(out, want, dtype):

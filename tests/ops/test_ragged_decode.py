@@ -90,7 +90,7 @@ class RaggedCase:
         view = mx.array(buf).astype(dtype)[:, :, :T_b]
         return view[0] if layout == "three_d" else view
 
-    def expected(self, valid_lens, kv_starts=None, window=None, sinks=None, scale=None):
+    def expected(self, valid_lens, kv_starts=None, window=None, sinks=None, scale=None, softcap=None):
         """float64 [B, H_q, L, D]: the dense float64 reference on each request's rows."""
         q64 = to_numpy64(self.q)
         scale = 1.0 / np.sqrt(q64.shape[-1]) if scale is None else scale
@@ -101,7 +101,8 @@ class RaggedCase:
             k64 = to_numpy64(mx.array(k).astype(self.q.dtype))[None]
             v64 = to_numpy64(mx.array(v).astype(self.q.dtype))[None]
             starts = None if kv_starts is None else np.asarray(kv_starts[b : b + 1])
-            out.append(float64_attention(q64[b : b + 1], k64, v64, np.asarray(valid_lens[b : b + 1]), scale, starts, window, s64))
+            out.append(float64_attention(q64[b : b + 1], k64, v64, np.asarray(valid_lens[b : b + 1]), scale, starts, window, s64,
+                                        softcap))
         return np.concatenate(out, axis=0)
 
 

@@ -36,7 +36,7 @@ def to_numpy64(x):
     return np.array(x.astype(mx.float32)).astype(np.float64)
 
 
-def numpy_reference(q, k, v, valid_lens, scale=None, kv_starts=None, window=None, sinks=None):
+def numpy_reference(q, k, v, valid_lens, scale=None, kv_starts=None, window=None, sinks=None, softcap=None):
     """Float64 attention of each query row over its own range of keys, for MLX inputs.
 
     The numpy-only reference of the Metal harness (tests/metal_emu/reference.py),
@@ -47,7 +47,7 @@ def numpy_reference(q, k, v, valid_lens, scale=None, kv_starts=None, window=None
     starts = None if kv_starts is None else np.asarray(kv_starts, dtype=np.int64)
     sinks = None if sinks is None else to_numpy64(mx.array(sinks))
     return float64_attention(
-        to_numpy64(q), to_numpy64(k), to_numpy64(v), lens, scale, starts, window, sinks
+        to_numpy64(q), to_numpy64(k), to_numpy64(v), lens, scale, starts, window, sinks, softcap
     )
 
 

@@ -22,16 +22,16 @@ def test_quick_selftest_passes_and_reports():
     out = result.stdout
     assert f"backend: {backend_name(mx.default_device())} (" in out
     assert "first call (dense, float16, D=128" in out
-    assert "330 cases against reference_attention in float32" in out
+    assert "462 cases against reference_attention in float32" in out
     table = out.split("worst error", 1)[1]
     for op in cases.OPS:
         for dtype in ("float32", "float16", "bfloat16"):
             assert any(line.split()[:2] == [op, dtype] for line in table.splitlines()), (op, dtype)
     speed_rows = [line.split() for line in out.split("vs sdpa", 1)[1].splitlines() if line.strip()]
     assert {row[0] for row in speed_rows if row[0] in cases.OPS} == set(cases.OPS)
-    assert "OK: 330 cases and 4 timed outputs within tolerance" in out
+    assert "OK: 462 cases and 4 timed outputs within tolerance" in out
     assert "FAIL" not in out
-    assert "330/330 cases" in result.stderr  # the progress bar reached the end
+    assert "462/462 cases" in result.stderr  # the progress bar reached the end
 
 
 def test_a_reference_without_the_window_fails_the_window_cases(capsys):
@@ -86,7 +86,7 @@ def test_worst_error_counts_non_finite_values_and_wrong_shapes_as_infinite():
 
 def test_the_grids():
     quick, full = cases.grid(True), cases.grid(False)
-    assert len(quick) == 330 and 2000 < len(full) < 3000
+    assert len(quick) == 462 and 3000 < len(full) < 4000
     for grid in (quick, full):
         assert {c.op for c in grid} == set(cases.OPS)
         assert {c.dtype for c in grid} == set(cases.DTYPES)

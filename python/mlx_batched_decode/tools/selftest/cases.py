@@ -33,21 +33,29 @@ BLOCK_SIZES = (16, 32, 8)
 
 @dataclass(frozen=True)
 class Variant:
-    """What a case adds to plain one-row decode: L rows, a window, sinks, kv_starts, a ring."""
+    """What a case adds to plain one-row decode: L rows, a window, sinks, kv_starts, a ring, a
+    softcap (scores c * tanh(s / c); 1.0 caps most scores of unit-normal inputs), packed rows
+    (query_starts: request i brings its own count of up to ``rows + 1`` rows, 0 included) and
+    narrow values (a head dim of their own, D // 2 + 8)."""
 
     rows: int = 1
     window: int | None = None
     sinks: bool = False
     starts: bool = False
     ring: bool = False
+    softcap: float | None = None
+    packed: bool = False
+    narrow_values: bool = False
 
 
 VARIANTS = (
     Variant(),
-    Variant(rows=3, sinks=True),
+    Variant(rows=3, sinks=True, softcap=1.0),
     Variant(window=7, starts=True),
-    Variant(rows=4, window=16, sinks=True, starts=True),
-    Variant(rows=2, starts=True, ring=True),
+    Variant(rows=4, window=16, sinks=True, starts=True, softcap=1.0),
+    Variant(rows=2, starts=True, ring=True, softcap=1.0),
+    Variant(rows=5, window=9, sinks=True, packed=True, narrow_values=True),
+    Variant(rows=3, starts=True, softcap=1.0, packed=True),
 )
 
 
@@ -76,24 +84,42 @@ class Case:
         parts += ["sinks"] if v.sinks else []
         parts += ["starts"] if v.starts else []
         parts += ["ring"] if v.ring else []
+        parts += [f"softcap={v.softcap:g}"] if v.softcap else []
+        parts += ["packed"] if v.packed else []
+        parts += [f"Dv={value_dim(self.head_dim)}"] if v.narrow_values else []
         parts += [f"block={self.block_size}"] if self.op == "paged" else []
         parts += [f"bits={self.bits} gs={self.group_size}"] if self.op == "quantized" else []
         return " ".join(parts + ["lens=" + ",".join(map(str, self.lens))])
 
 
+def value_dim(head_dim: int) -> int:
+    """The head dim of a narrow-values case's values."""
+    return head_dim // 2 + 8
+
+
+def row_counts(variant: Variant, requests: int) -> list[int]:
+    """Rows of each request: L each, or for packed rows 0 to L + 1 by request (at least one in all)."""
+    if not variant.packed:
+        return [variant.rows] * requests
+    counts = [(i * 5 + 2) % (variant.rows + 2) for i in range(requests)]
+    return counts if sum(counts) else [1] + counts[1:]
+
+
 def fit(op: str, variant: Variant) -> Variant:
-    """The variant as ``op`` takes it: only the dense op has a ring, the paged op no kv_starts."""
+    """The variant as ``op`` takes it: only the dense op has a ring, the paged op no kv_starts,
+    the quantized op no narrow values."""
     ring = variant.ring and op == "dense"
     starts = variant.starts and op != "paged"
-    return Variant(variant.rows, variant.window, variant.sinks, starts, ring)
+    narrow = variant.narrow_values and op != "quantized"
+    return Variant(variant.rows, variant.window, variant.sinks, starts, ring, variant.softcap, variant.packed, narrow)
 
 
 def grid(quick: bool, ops: tuple[str, ...] = OPS) -> list[Case]:
     """Every case of the quick or the full grid, for ``ops``.
 
     Quick: each op x dtype x D in (64, 80, 128) x G in (1, 4) x every variant, on one set of
-    lengths (330 cases). Full: D from 1 to 512 (the specialised head dims and generic ones) x G
-    up to 8 x every variant, the cases taking the three sets of lengths in turn (about 2,500).
+    lengths (462 cases). Full: D from 1 to 512 (the specialised head dims and generic ones) x G
+    up to 8 x every variant, the cases taking the three sets of lengths in turn (about 3,500).
     """
     head_dims = QUICK_HEAD_DIMS if quick else FULL_HEAD_DIMS
     groups = QUICK_GROUPS if quick else FULL_GROUPS

@@ -13,13 +13,14 @@ request, T padded length, D head dim, BS rows per block, MB table entries per re
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from ... import ops
-from .cases import Case
+from .cases import Case, row_counts, value_dim
 
 
 @dataclass
@@ -42,23 +43,27 @@ class Prepared:
     truth: Truth
 
 
-def _read_mask(lens: list[int], starts: list[int], rows: int, window: int | None, t: int) -> mx.array:
-    """bool [B, 1, T, 1]: the positions some query row of each request attends."""
-    lo = [max(s, n - rows - window + 1 if window else 0, 0) for n, s in zip(lens, starts)]
+def _read_mask(lens: list[int], starts: list[int], rows: list[int], window: int | None, t: int) -> mx.array:
+    """bool [B, 1, T, 1]: the positions some query row of each request attends (rows: each one's)."""
+    lo = [max(s, n - r - window + 1 if window else 0, 0) if r else n for n, s, r in zip(lens, starts, rows)]
     pos = mx.arange(t)[None, :]
     mask = (pos >= mx.array(lo)[:, None]) & (pos < mx.array(lens)[:, None])
     return mask[:, None, :, None]
 
 
 def _draw(case: Case, t: int):
-    """(queries, keys, values, sinks, options, read mask) of a case, keys/values [B, H_kv, T, D]
-    in the case's dtype and unmasked; ``options`` holds kv_starts, window and sinks as set."""
+    """(queries, keys, values, sinks, options, read mask) of a case: queries [B, H_q, L, D] (packed
+    rows: [N, H_q, D]), keys [B, H_kv, T, D] and values [B, H_kv, T, Dv] in the case's dtype and
+    unmasked; ``options`` holds kv_starts, window, sinks, softcap and query_starts as set."""
     b, v = len(case.lens), case.variant
     h_q, d = case.kv_heads * case.group, case.head_dim
+    dv = value_dim(d) if v.narrow_values else d
     kq, kk, kv, ks = mx.random.split(mx.random.key(case.seed), 4)
-    queries = mx.random.normal((b, h_q, v.rows, d), key=kq).astype(case.dtype)
+    rows = row_counts(v, b)
+    q_shape = (sum(rows), h_q, d) if v.packed else (b, h_q, v.rows, d)
+    queries = mx.random.normal(q_shape, key=kq).astype(case.dtype)
     keys = mx.random.normal((b, case.kv_heads, t, d), key=kk).astype(case.dtype)
-    values = mx.random.normal((b, case.kv_heads, t, d), key=kv).astype(case.dtype)
+    values = mx.random.normal((b, case.kv_heads, t, dv), key=kv).astype(case.dtype)
     starts = [(i * 7) % (n + 1) if v.starts else 0 for i, n in enumerate(case.lens)]
     options = {}
     if v.starts:
@@ -67,7 +72,11 @@ def _draw(case: Case, t: int):
         options["window"] = v.window
     if v.sinks:
         options["sinks"] = mx.random.normal((h_q,), key=ks)
-    mask = _read_mask(list(case.lens), starts, v.rows, v.window, t)
+    if v.softcap:
+        options["softcap"] = v.softcap
+    if v.packed:
+        options["query_starts"] = mx.array([0, *itertools.accumulate(rows)], dtype=mx.int32)
+    mask = _read_mask(list(case.lens), starts, rows, v.window, t)
     return queries, keys, values, options, mask
 
 
@@ -98,8 +107,10 @@ def dense(case: Case) -> Prepared:
             for x in (keys, values)
         )
         call_options["ring_offset"] = mx.array(offsets, dtype=mx.int32)
-    pad = mx.full((len(case.lens), case.kv_heads, 11, case.head_dim), float("nan"), case.dtype)
-    k_cache, v_cache = mx.concatenate([keys, pad], axis=2), mx.concatenate([values, pad], axis=2)
+    def padded(x):
+        return mx.concatenate([x, mx.full((*x.shape[:2], 11, x.shape[3]), float("nan"), case.dtype)], axis=2)
+
+    k_cache, v_cache = padded(keys), padded(values)
     mx.eval(queries, k_cache, v_cache)
     return Prepared(
         lambda: ops.batched_decode_attention(
@@ -121,10 +132,10 @@ def paged(case: Case) -> Prepared:
     truth = _truth(queries, keys, values, lens, options)
     num_blocks = b * mb + 3
     perm = mx.random.permutation(num_blocks, key=mx.random.key(case.seed + 1))
-    garbage = mx.full((3, bs, case.kv_heads, case.head_dim), float("nan"), case.dtype)
-
     def pool(x):
-        blocks = x.transpose(0, 2, 1, 3).reshape(b * mb, bs, case.kv_heads, case.head_dim)
+        width = x.shape[3]
+        blocks = x.transpose(0, 2, 1, 3).reshape(b * mb, bs, case.kv_heads, width)
+        garbage = mx.full((3, bs, case.kv_heads, width), float("nan"), case.dtype)
         return mx.concatenate([blocks, garbage])[perm]
 
     key_pages, value_pages = pool(keys), pool(values)

@@ -59,6 +59,7 @@ int main() {
     a.dtype = Dtype::float32;
     a.B = B, a.H_q = H_q, a.H_kv = H_kv, a.G = G, a.L = L, a.T = T, a.D = D;
     a.Dp = padded_head_dim(D);
+    a.same_head_dims();
     a.window = window;
     const int64_t qs[4] = {int64_t(H_q) * L * D, int64_t(L) * D, D, 1};
     const int64_t ks[4] = {int64_t(bs) * H_kv * D, D, int64_t(H_kv) * D, 1}; // {page, head, row, dim}

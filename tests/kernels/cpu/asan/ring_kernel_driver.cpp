@@ -67,6 +67,7 @@ int main() {
     a.dtype = Dtype::float32;
     a.B = B, a.H_q = H_q, a.H_kv = H_kv, a.G = G, a.L = L, a.T = T, a.D = D;
     a.Dp = padded_head_dim(D);
+    a.same_head_dims();
     a.window = std::min(window, std::max(T, 1));
     const int64_t qs[4] = {int64_t(H_q) * L * D, int64_t(L) * D, D, 1};
     const int64_t ks[4] = {int64_t(H_kv) * T * D, token_major ? D : int64_t(T) * D, token_major ? int64_t(H_kv) * D : D, 1};
