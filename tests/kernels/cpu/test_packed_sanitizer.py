@@ -9,6 +9,8 @@ the kernel (starts unchecked, rows one position late, softcap dropped, values re
 keys) must each be caught.
 """
 
+import pytest
+
 from tests.support.cpu_asan import REPO, assert_clean, build_driver, require_toolchain, run_driver
 
 
@@ -23,32 +25,23 @@ def test_packed_kernel_on_adversarial_starts_is_clean():
     assert_clean(build_driver("packed_kernel_driver"))
 
 
-def test_unchecked_starts_are_caught():
-    # Without the kernel's own check of query_starts, malformed ones give rows of two requests (or none).
-    require_toolchain()
-    m = mutant("cpu/parallel_decode.cpp", "if (args.query_starts && !args.packed_rows_valid()) {", "if (false) {")
-    code, output = run_driver(build_driver("packed_kernel_driver", m))
-    assert code != 0 and "malformed starts" in output, output[-3000:]
-
-
-def test_position_off_by_one_is_caught():
+# (what breaks, file, text, its replacement, what the driver's output must say)
+MUTANTS = [
+    # Without the kernel's own check, malformed starts give rows of two requests, or of none.
+    ("starts unchecked", "cpu/parallel_decode.cpp", "if (args.query_starts && !args.packed_rows_valid()) {",
+     "if (false) {", "malformed starts"),
     # Rows one position late attend a key past their request's length.
+    ("position off by one", "cpu/decode_args.h", "    const int p = len - L + i;\n",
+     "    const int p = len - L + i + 1;\n", "mismatches"),
+    ("softcap dropped", "cpu/decode_kernel.cpp", "sp < n_spans && a.softcap > 0.0f;", "sp < n_spans && false;",
+     "mismatches"),
+    # Values read as wide as the keys: past the values' allocation, or wrong outputs.
+    ("values' head dim from the keys", "cpu/decode_args.h", "    v.D = Dv;\n    v.Dp = Dvp;\n", "", ""),
+]
+
+
+@pytest.mark.parametrize("what, path, old, new, says", MUTANTS, ids=[m[0] for m in MUTANTS])
+def test_mutant_is_caught(what, path, old, new, says):
     require_toolchain()
-    m = mutant("cpu/decode_args.h", "    const int p = len - L + i;\n", "    const int p = len - L + i + 1;\n")
-    code, output = run_driver(build_driver("packed_kernel_driver", m))
-    assert code != 0 and ("mismatches" in output or "AddressSanitizer" in output), output[-3000:]
-
-
-def test_dropped_softcap_is_caught():
-    require_toolchain()
-    m = mutant("cpu/decode_kernel.cpp", "sp < n_spans && a.softcap > 0.0f;", "sp < n_spans && false;")
-    code, output = run_driver(build_driver("packed_kernel_driver", m))
-    assert code != 0 and "mismatches" in output, output[-3000:]
-
-
-def test_values_head_dim_taken_from_the_keys_is_caught():
-    # Values read D wide where they are Dv wide: reads past the values' allocation, wrong outputs.
-    require_toolchain()
-    m = mutant("cpu/decode_args.h", "    v.D = Dv;\n    v.Dp = Dvp;\n", "")
-    code, output = run_driver(build_driver("packed_kernel_driver", m))
-    assert code != 0, output[-3000:]
+    code, output = run_driver(build_driver("packed_kernel_driver", mutant(path, old, new)))
+    assert code != 0 and says in output, output[-3000:]
