@@ -383,6 +383,7 @@ struct AmxItem {
   uint64_t blocks = 0; // computed on the tiles
   std::vector<const T*> q_rows; // [R]
   std::vector<KeyRange> group_keys; // [groups]: the keys every row of the group attends
+  std::vector<KeyRange> group_reach; // [groups]: the keys some row of the group attends
   std::vector<int32_t> lo, hi; // [groups * 16]: row r's keys [lo, hi), 0 past R
   // A member, not a thread_local of its own: each block then needs no TLS lookup.
   amx::Scratch scratch;
@@ -409,12 +410,17 @@ struct AmxItem {
     lo.assign(groups * amx::kRows, 0);
     hi.assign(groups * amx::kRows, 0);
     group_keys.assign(groups, {0, std::numeric_limits<int>::max()});
+    group_reach.assign(groups, {std::numeric_limits<int>::max(), 0});
     for (int r = 0; r < R; ++r) {
       const KeyRange k = ranges[r / a.rows() * a.L + r % a.L];
       lo[r] = k.lo;
       hi[r] = k.hi;
       KeyRange& all = group_keys[r / amx::kRows];
       all = {std::max(all.lo, k.lo), std::min(all.hi, k.hi)};
+      if (!k.empty()) {
+        KeyRange& some = group_reach[r / amx::kRows];
+        some = {std::min(some.lo, k.lo), std::max(some.hi, k.hi)};
+      }
     }
     if (usable) {
       amx::configure();
@@ -469,14 +475,20 @@ struct AmxItem {
     if (!amx::pair_values(rows, n, Dp, s)) {
       return false;
     }
+    bool requested = false; // the next block, by the first group computed
     for (int g = 0; g < groups; ++g) {
       const int first = g * amx::kRows;
+      // A group none of whose rows attends the block (a chunk's early rows) keeps its state.
+      if (group_reach[g].hi <= t || t + n <= group_reach[g].lo) {
+        continue;
+      }
       const bool whole = group_keys[g].lo <= t && t + n <= group_keys[g].hi;
       __m512 m = _mm512_loadu_ps(st.m + first), l = _mm512_loadu_ps(st.l + first);
       amx::scores(s, keys, k_stride, g, Dq, split16, s.s.data());
       const __m512 alpha = amx::softmax(s.s.data(), t, n, a.scale, a.softcap, _mm512_loadu_si512(lo.data() + first),
                                         _mm512_loadu_si512(hi.data() + first), whole, m, l,
-                                        g == 0 ? next : amx::NextBlock{});
+                                        requested ? amx::NextBlock{} : next);
+      requested = true;
       _mm512_storeu_ps(st.m + first, m);
       _mm512_storeu_ps(st.l + first, l);
       amx::transpose_weights(s.s.data(), s);
