@@ -15,6 +15,7 @@ import mlx_batched_decode as mbd
 from tests.support.numerics import TOLERANCE, dtype_id, max_abs_error, numpy_reference
 from tests.ops.test_decode_shapes import LENGTHS, STARTS, T, shape_case
 from tests.ops.test_paged_decode import float64_paged
+from tests.ops.test_query_starts import packed_case, packed_expected, starts_of
 from tests.support.paged_cases import read_rows
 
 pytestmark = pytest.mark.skipif(
@@ -192,3 +193,18 @@ def test_few_rows_stay_on_the_vector_path(dtype):
     out, blocks = tile_blocks_of(lambda: mbd.batched_decode_attention(q, k, v, mx.array(LENGTHS)))
     assert blocks == 0
     assert max_abs_error(out, numpy_reference(q, k, v, LENGTHS)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_packed_chunks_on_the_tiles(dtype):
+    # A 200-row prefill chunk beside decodes, with softcap: the chunk's row groups that no key of
+    # a block reaches keep their state, the others run on the tiles; the decodes stay on vectors.
+    rows, lens = [1, 200, 0, 1], [40, 230, 3, 7]
+    q, k, v, k_nan, v_nan = packed_case(dtype, 64, 4, rows, lens, None, None, seed=4, t=240)
+    out, blocks = tile_blocks_of(
+        lambda: mbd.batched_decode_attention(
+            q, k_nan, v_nan, mx.array(lens), query_starts=mx.array(starts_of(rows)), softcap=2.0
+        )
+    )
+    assert blocks > 0, "the tile path did not run"
+    assert max_abs_error(out, packed_expected(q, k, v, lens, rows, softcap=2.0)) < TOLERANCE[dtype]
