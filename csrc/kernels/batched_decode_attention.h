@@ -3,17 +3,22 @@
 //
 // Dimensions: B requests, H_q query heads, H_kv key/value heads,
 // G = H_q / H_kv query heads per KV head, L query rows per request,
-// R = G * L query rows per (request, KV head), T cache positions, D head dim.
+// R = G * L query rows per (request, KV head), T cache positions, D head dim
+// of queries and keys, Dv of values and the output (MLA: 576 and 512).
 // Row i of request b sits at p = len_b - L + i and attends the keys
 // max(start_b, p - window + 1) .. p; a sink logit joins its softmax denominator.
+// With a softcap c > 0, each score s becomes c * tanh(s / c) (the sink does not).
+// Packed queries (p.has_query_starts): request b brings L = q_b rows of its own,
+// rows query_starts[b] .. query_starts[b + 1] - 1 of the N packed ones.
 //
-// One threadgroup per (split, KV head x row group, request). The R rows,
+// One threadgroup per (split, KV head x row group, request), or, packed, per
+// (split, KV head x row block): see bda_block_request. The R rows,
 // ordered by i and then g, are cut into row chunks of bda_rows (one
 // simdgroup's); a row group is the run of chunks one threadgroup holds, all R
 // unless the thread limit or 8 chunks cut them. Its rows cover consecutive i,
 // whose key ranges join into one interval, the only keys it reads, each once.
-// Each lane owns a D-slice, so a K/V row is one vector load per lane and
-// serves every row of the chunk, each row masked to its own range. Softmax
+// Each lane owns a slice of the D (and Dv) columns, so a K/V row is one vector
+// load per lane and serves every row of the chunk, each row masked to its own range. Softmax
 // state is float32.
 //
 // Non-finite values follow the softmax of reference_attention: a NaN score
@@ -212,10 +217,106 @@ inline bool bda_holds_key(const device int* block_tables, const constant Batched
   return false;
 }
 
-// V elements per vector load of the kernels of head dim D (scalars for a generic one).
-template <int D, bool GENERIC>
+// V elements per vector load of the kernels of head dims D (keys) and DV
+// (values), one width for both (scalars for a generic kernel).
+template <int D, int DV, bool GENERIC>
 constexpr int bda_vector_width() {
-  return GENERIC ? 1 : (D % 128 == 0 ? 4 : 2);
+  return GENERIC ? 1 : (D % 128 == 0 && DV % 128 == 0 ? 4 : 2);
+}
+
+// Packed queries: whether query_starts start at 0, never decrease and end at
+// N, so that every packed row is one request's. The op checks them where it
+// can read them; inside mx.compile it cannot, so every threadgroup checks the
+// B + 1 values (uniform loads, few next to its keys): malformed ones give zeros.
+inline bool bda_starts_valid(const device int* query_starts, const constant BatchedDecodeParams& p) {
+  const int64_t s = p.query_starts_stride;
+  if (query_starts[0] != 0 || query_starts[p.num_requests * s] != p.num_rows) {
+    return false;
+  }
+  for (int b = 0; b < p.num_requests; ++b) {
+    if (query_starts[(b + 1) * s] < query_starts[b * s]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The query rows of one request: packed rows first .. first + count - 1, or
+// the L rows of a request of its own (first 0).
+struct BdaRows {
+  int first;
+  int count;
+};
+
+// Request b's packed rows, of valid starts (bda_starts_valid).
+inline BdaRows bda_packed_rows(const device int* query_starts, const constant BatchedDecodeParams& p, int b) {
+  const int first = query_starts[b * p.query_starts_stride];
+  return BdaRows{first, query_starts[(b + 1) * p.query_starts_stride] - first};
+}
+
+// The first row block of request b (valid starts): each request's row groups
+// of block_rows rows take blocks from G * query_starts[b] / block_rows + b on,
+// at least as many as it needs, so that N * G / block_rows + B blocks per KV
+// head cover every request (vLLM's unified attention numbers its query blocks
+// so). G * N fits an int: the launch plan checks H_q * N.
+inline int bda_first_block(const device int* query_starts, const constant BatchedDecodeParams& p, int block_rows,
+                           int b) {
+  return p.gqa_factor * query_starts[b * p.query_starts_stride] / block_rows + b;
+}
+
+// The request of row block j: the last one whose first block is <= j (first
+// blocks increase with b), by binary search.
+inline int bda_block_request(const device int* query_starts, const constant BatchedDecodeParams& p,
+                             int block_rows, int j) {
+  int lo = 0;
+  int hi = p.num_requests - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (bda_first_block(query_starts, p, block_rows, mid) <= j) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// The request of packed row n (valid starts): the last one whose first row is
+// <= n, which holds it (an empty request's next one starts at its own first row).
+inline int bda_row_request(const device int* query_starts, const constant BatchedDecodeParams& p, int n) {
+  int lo = 0;
+  int hi = p.num_requests - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (query_starts[mid * p.query_starts_stride] <= n) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// Output row of row i of query head `head` of request b: [B, H_q, L] in
+// order, or, packed, [N, H_q] at its packed row; 64-bit, as rows x Dv may pass 2^31.
+inline int64_t bda_out_row(const constant BatchedDecodeParams& p, int b, BdaRows rows, int head, int i) {
+  return p.has_query_starts ? int64_t(rows.first + i) * p.num_q_heads + head
+                            : (int64_t(b) * p.num_q_heads + head) * p.num_rows + i;
+}
+
+// Malformed query_starts, single pass: zeros for the whole output [N, H_q, Dv],
+// row block j of a KV head writing its rows j * block_rows .. of the KV
+// head's N x G (i, then g), which the grid's blocks cover.
+template <typename T>
+inline void bda_zero_block(device T* out, const constant BatchedDecodeParams& p, int kv_head, int j,
+                           int block_rows, int value_dim, uint tid, uint threads) {
+  const int64_t end = min(int64_t(p.gqa_factor) * p.num_rows, int64_t(j + 1) * block_rows);
+  for (int64_t f = int64_t(j) * block_rows; f < end; ++f) {
+    const int64_t row = (f / p.gqa_factor) * p.num_q_heads + kv_head * p.gqa_factor + f % p.gqa_factor;
+    for (uint d = tid; d < uint(value_dim); d += threads) {
+      out[row * value_dim + d] = T(0.0f);
+    }
+  }
 }
 
 // Where the K/V rows live (the kernel's row-source axis): key(row, t, vi) and
@@ -393,12 +494,15 @@ struct BdaQuantizedRows {
 // split's partials). queries [B, H_q, L, D], kv (a row source above), valid_lens
 // and kv_starts int32 [B] (or, paged, block_tables int32 [B, MB]: see
 // BatchedDecodeParams), sinks float32 [H_q], ring_offsets int32 [B] (the
-// dense layout's, when p.has_ring_offset; else null) (all strided), out
-// [B, H_q, L, D] contiguous; split-K partials float32 [B, H_q, L, splits]
-// (max, sum) and [B, H_q, L, splits, D] (acc); requests: the ragged layout's
-// table (p.ragged), else null. The threadgroup serves request b (tgid.z, plus
-// the group's first request in the ragged layout). Head dim D: the exact one of
-// a fast kernel, the largest a generic kernel takes (its own is p.head_dim).
+// dense layout's, when p.has_ring_offset; else null), query_starts int32
+// [B + 1] (when p.has_query_starts) (all strided), out [B, H_q, L, Dv]
+// contiguous ([N, H_q, Dv] packed); split-K partials float32 [out rows,
+// splits] (max, sum) and [out rows, splits, Dv] (acc); requests: the ragged
+// layout's table (p.ragged), else null. The dispatch serves requests
+// first_request .. + num_requests - 1: the threadgroup request first_request +
+// tgid.z, or, packed, that of its row block. Head dims D and DV: the exact
+// ones of a fast kernel, the largest a generic kernel takes (its own are
+// p.head_dim and p.value_dim).
 //
 // The threadgroup holds p.group_chunks row chunks of bda_rows rows; the
 // simdgroups split into one set per chunk, and the num_sg / p.group_chunks
@@ -406,7 +510,7 @@ struct BdaQuantizedRows {
 // each simdgroup loads its keys itself; with several, the threadgroup stages
 // each tile of MBD_TILE_KEYS keys in threadgroup memory (one K or V row per
 // simdgroup), so that every K/V row leaves device memory once for all rows.
-template <typename T, int D, bool GENERIC, typename Rows>
+template <typename T, int D, int DV, bool GENERIC, typename Rows>
 inline void bda_attend(
     const device T* queries,
     Rows kv,
@@ -414,6 +518,7 @@ inline void bda_attend(
     const device int* kv_starts,
     const device float* sinks,
     const device int* ring_offsets,
+    const device int* query_starts,
     device T* out,
     device float* partial_acc,
     device float* partial_max,
@@ -421,30 +526,57 @@ inline void bda_attend(
     constant BatchedDecodeParams& p,
     const device RaggedRequest* requests,
     uint3 tgid,
-    int b,
+    int first_request,
+    int num_requests,
     uint sg,
     uint lane,
     uint num_sg) {
   // V elements per vector load (scalars for a generic head dim), C loads per
-  // lane and row (32 * C * V >= D).
-  constexpr int V = bda_vector_width<D, GENERIC>();
-  constexpr int C = (D / V + MBD_SIMD_WIDTH - 1) / MBD_SIMD_WIDTH;
+  // lane and row (32 * C * V >= W, the wider of D and DV).
+  constexpr int V = bda_vector_width<D, DV, GENERIC>();
+  constexpr int W = D > DV ? D : DV;
+  constexpr int C = (W / V + MBD_SIMD_WIDTH - 1) / MBD_SIMD_WIDTH;
   constexpr int RB = MBD_MAX_ROWS;
   constexpr int TK = MBD_TILE_KEYS;
-  static_assert(D % V == 0, "a fast head dim is a multiple of its vector width");
+  static_assert(D % V == 0 && DV % V == 0, "fast head dims are multiples of their vector width");
   static_assert(2 * TK <= MBD_MAX_SIMDGROUPS, "a tile's K and V rows fit the merge's rows");
-  static_assert(MBD_MAX_SIMDGROUPS * (D + 2 * RB) * 4 + TK * 4 <= 32768, "threadgroup memory is at most 32 KB");
+  static_assert(MBD_MAX_SIMDGROUPS * (W + 2 * RB) * 4 + TK * 4 <= 32768, "threadgroup memory is at most 32 KB");
   typedef typename bda_vec<float, V>::type floatv;
   const int dim = GENERIC ? p.head_dim : D;
-  const int nv = dim / V;
+  const int value_dim = GENERIC ? p.value_dim : DV;
+  const int nk = dim / V;
+  const int nv = value_dim / V;
 
   const int chunk_rows = bda_rows;
   const bool vectors = bda_vector_loads;
+  const float softcap = p.softcap;
   const int split = tgid.x;
   const int kv_head = tgid.y / p.row_groups;
-  const int total_rows = p.gqa_factor * p.num_rows;
-  const int group_first = (tgid.y % p.row_groups) * p.group_chunks * chunk_rows;
-  const int group_end = min(total_rows, group_first + p.group_chunks * chunk_rows);
+  const int block_rows = p.group_chunks * chunk_rows;
+  int b = first_request + int(tgid.z);
+  int group = tgid.y % p.row_groups;
+  BdaRows own = BdaRows{0, p.num_rows};
+  if (p.has_query_starts) {
+    if (!bda_starts_valid(query_starts, p)) {
+      // Split-K leaves the zeros to the reduce.
+      if (p.num_splits == 1) {
+        bda_zero_block(out, p, kv_head, group, block_rows, value_dim, sg * MBD_SIMD_WIDTH + lane,
+                       num_sg * MBD_SIMD_WIDTH);
+      }
+      return;
+    }
+    b = bda_block_request(query_starts, p, block_rows, group);
+    group -= bda_first_block(query_starts, p, block_rows, b);
+    own = bda_packed_rows(query_starts, p, b);
+  }
+  const int total_rows = p.gqa_factor * own.count;
+  const int group_first = group * block_rows;
+  // Uniform across the threadgroup: a row block past its request's rows, or one
+  // of a request another dispatch serves, has nothing to do.
+  if (group_first >= total_rows || b < first_request || b >= first_request + num_requests) {
+    return;
+  }
+  const int group_end = min(total_rows, group_first + block_rows);
   const int streams = int(num_sg) / p.group_chunks;
   const int chunk = int(sg) / streams;
   const int stream = int(sg) % streams;
@@ -457,7 +589,7 @@ inline void bda_attend(
   int keys_lo = p.seq_len;
   int keys_hi = 0;
   for (int i = group_first / p.gqa_factor; i <= (group_end - 1) / p.gqa_factor; ++i) {
-    const BdaRange range = bda_row_keys(request.len, request.start, p.num_rows, i, p.window);
+    const BdaRange range = bda_row_keys(request.len, request.start, own.count, i, p.window);
     if (range.lo < range.hi) {
       keys_lo = min(keys_lo, range.lo);
       keys_hi = max(keys_hi, range.hi);
@@ -485,14 +617,14 @@ inline void bda_attend(
     if (r < chunk_rows && r < rows) {
       row_i[r] = (first + r) / p.gqa_factor;
       row_head[r] = kv_head * p.gqa_factor + (first + r) % p.gqa_factor;
-      const BdaRange range = bda_row_keys(request.len, request.start, p.num_rows, row_i[r], p.window);
+      const BdaRange range = bda_row_keys(request.len, request.start, own.count, row_i[r], p.window);
       row_lo[r] = range.lo;
       row_hi[r] = range.hi;
       const device T* qrow = queries + b * p.q_batch_stride + row_head[r] * p.q_head_stride +
-          row_i[r] * p.q_row_stride;
+          (own.first + row_i[r]) * p.q_row_stride;
       for (int c = 0; c < C; ++c) {
         const int vi = lane + MBD_SIMD_WIDTH * c;
-        if (vi < nv) {
+        if (vi < nk) {
           q[r][c] = bda_load<T, V>::row(qrow + vi * V, vectors) * p.scale;
         }
       }
@@ -507,7 +639,7 @@ inline void bda_attend(
   const int end = begin + min(p.split_len, num_keys - offset);
 
   // Tiles of staged K rows (0 .. TK-1) and V rows (TK .. 2TK-1); after the keys, the merge's rows.
-  threadgroup floatv bda_shared[MBD_MAX_SIMDGROUPS][D / V];
+  threadgroup floatv bda_shared[MBD_MAX_SIMDGROUPS][W / V];
   threadgroup int bda_tile_valid[TK];
   const bool staged = p.group_chunks > 1;
   kv.seek(b, kv_head);
@@ -531,8 +663,10 @@ inline void bda_attend(
         }
         for (int c = 0; c < C; ++c) {
           const int vi = lane + MBD_SIMD_WIDTH * c;
-          if (vi < nv) {
-            bda_shared[j][vi] = j < TK ? kv.key(row, tile + key, vi) : kv.value(row, tile + key, vi);
+          if (j < TK && vi < nk) {
+            bda_shared[j][vi] = kv.key(row, tile + key, vi);
+          } else if (j >= TK && vi < nv) {
+            bda_shared[j][vi] = kv.value(row, tile + key, vi);
           }
         }
       }
@@ -552,12 +686,17 @@ inline void bda_attend(
         const int vi = lane + MBD_SIMD_WIDTH * c;
         k[c] = floatv(0.0f);
         v[c] = floatv(0.0f);
-        if (vi < nv) {
+        if (vi < nk) {
           if (staged) {
             k[c] = bda_shared[j][vi];
-            v[c] = bda_shared[TK + j][vi];
           } else {
             k[c] = kv.key(row, t, vi);
+          }
+        }
+        if (vi < nv) {
+          if (staged) {
+            v[c] = bda_shared[TK + j][vi];
+          } else {
             v[c] = kv.value(row, t, vi);
           }
         }
@@ -569,6 +708,10 @@ inline void bda_attend(
             s += bda_dot(q[r][c], k[c]);
           }
           s = simd_sum(s);
+          // Logit softcapping (Gemma 2), before the range and the softmax; sink logits stay uncapped.
+          if (softcap > 0.0f) {
+            s = softcap * precise::tanh(s / softcap);
+          }
           // Summed by every lane, used only inside the row's range: a key outside
           // it (NaN included) never touches the row.
           if (t >= row_lo[r] && t < row_hi[r]) {
@@ -624,22 +767,21 @@ inline void bda_attend(
         }
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      // Output rows are [B, H_q, L] in order; 64-bit, as B * H_q * L * D may pass 2^31.
-      const int64_t out_row = (int64_t(b) * p.num_q_heads + row_head[r]) * p.num_rows + row_i[r];
+      const int64_t out_row = bda_out_row(p, b, own, row_head[r], row_i[r]);
       const float sink = p.has_sinks && mine ? sinks[row_head[r] * p.sinks_stride] : -bda_inf;
       const float norm = bda_normalizer(m_max, sum, sink);
       const bool has_keys = row_lo[r] < row_hi[r] &&
           (m_max != -bda_inf || bda_holds_key(kv_starts, p, b, row_lo[r], row_hi[r]));
       const uint set_lane = uint(stream) * MBD_SIMD_WIDTH + lane;
-      for (uint d = set_lane; mine && d < uint(dim); d += uint(streams) * MBD_SIMD_WIDTH) {
+      for (uint d = set_lane; mine && d < uint(value_dim); d += uint(streams) * MBD_SIMD_WIDTH) {
         float a = 0.0f;
         for (uint s = set; s < set + uint(streams); ++s) {
           a += bda_element(bda_shared[s][d / V], d % V);
         }
         if (p.num_splits == 1) {
-          out[out_row * dim + d] = has_keys ? T(a * norm) : T(0.0f);
+          out[out_row * value_dim + d] = has_keys ? T(a * norm) : T(0.0f);
         } else {
-          partial_acc[(out_row * p.num_splits + split) * dim + d] = a;
+          partial_acc[(out_row * p.num_splits + split) * value_dim + d] = a;
         }
       }
       if (mine && p.num_splits > 1 && set_lane == 0) {
@@ -652,10 +794,11 @@ inline void bda_attend(
   }
 }
 
-// The dense kernel: keys and values [B, H_kv, T, D] of T, strided views (a
-// ring when p.has_ring_offset: ring_offsets int32 [B]), or pools
-// [NB, BS, H_kv, D] read through block tables (p.block_size > 0).
-template <typename T, int D, bool GENERIC>
+// The dense kernel: keys [B, H_kv, T, D] and values [B, H_kv, T, Dv] of T,
+// strided views (a ring when p.has_ring_offset: ring_offsets int32 [B]), or
+// pools [NB, BS, H_kv, D] and [NB, BS, H_kv, Dv] read through block tables
+// (p.block_size > 0).
+template <typename T, int D, int DV, bool GENERIC>
 [[kernel]] void batched_decode_attention(
     const device T* queries [[buffer(0)]],
     const device T* keys [[buffer(1)]],
@@ -669,20 +812,22 @@ template <typename T, int D, bool GENERIC>
     device float* partial_sum [[buffer(9)]],
     constant BatchedDecodeParams& p [[buffer(10)]],
     const device int* ring_offsets [[buffer(11)]], // MBD_RING_OFFSETS
+    const device int* query_starts [[buffer(29)]], // MBD_QUERY_STARTS
     uint3 tgid [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint num_sg [[simdgroups_per_threadgroup]]) {
-  const BdaDenseRows<T, bda_vector_width<D, GENERIC>()> kv{
+  const BdaDenseRows<T, bda_vector_width<D, DV, GENERIC>()> kv{
       keys, values, p.k_head_stride, p.v_head_stride, bda_vector_loads};
-  bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, ring_offsets, out, partial_acc, partial_max,
-                            partial_sum, p, nullptr, tgid, int(tgid.z), sg, lane, num_sg);
+  bda_attend<T, D, DV, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, ring_offsets, query_starts, out,
+                                partial_acc, partial_max, partial_sum, p, nullptr, tgid, 0, p.num_requests, sg,
+                                lane, num_sg);
 }
 
 // The quantized kernel: keys and values as mx.quantize's (packed uint32
 // [B, H_kv, T, D * BITS / 32], scales and biases [B, H_kv, T, D / group_size]
 // of float16, bfloat16 or float32) triples, any strides but the words' last
-// axis. The reduce pass is batched_decode_attention_reduce's.
+// axis; values as wide as keys. The reduce pass is batched_decode_attention_reduce's.
 template <typename T, int D, bool GENERIC, int BITS>
 [[kernel]] void quantized_batched_decode_attention(
     const device T* queries [[buffer(0)]],
@@ -701,23 +846,24 @@ template <typename T, int D, bool GENERIC, int BITS>
     const device uchar* value_scales [[buffer(13)]],
     const device uchar* value_biases [[buffer(14)]],
     constant QuantizedDecodeParams& q [[buffer(15)]],
+    const device int* query_starts [[buffer(29)]], // MBD_QUERY_STARTS
     uint3 tgid [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint num_sg [[simdgroups_per_threadgroup]]) {
-  const BdaQuantizedRows<BITS, bda_vector_width<D, GENERIC>()> kv{
+  const BdaQuantizedRows<BITS, bda_vector_width<D, D, GENERIC>()> kv{
       keys, values, key_scales, key_biases, value_scales, value_biases, p.k_batch_stride, p.k_head_stride,
       p.k_seq_stride, p.v_batch_stride, p.v_head_stride, p.v_seq_stride, &q, 0, 0};
-  bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, nullptr, out, partial_acc, partial_max,
-                            partial_sum, p, nullptr, tgid, int(tgid.z), sg, lane, num_sg);
+  bda_attend<T, D, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, nullptr, query_starts, out, partial_acc,
+                               partial_max, partial_sum, p, nullptr, tgid, 0, p.num_requests, sg, lane, num_sg);
 }
 
-// The ragged kernel: request b's keys and values [H_kv, T_b, D] (any strides)
+// The ragged kernel: request b's keys [H_kv, T_b, D] and values [H_kv, T_b, Dv] (any strides)
 // in buffers of their own, one dispatch per group of requests whose buffers fit
 // the MBD_RAGGED_SLOTS slots (buffers MBD_RAGGED_SLOT0 on, 13 to 28); the
 // request table requests [B] says where each request's rows lie. The reduce
 // pass is batched_decode_attention_reduce's, over all B.
-template <typename T, int D, bool GENERIC>
+template <typename T, int D, int DV, bool GENERIC>
 [[kernel]] void ragged_decode_attention(
     const device T* queries [[buffer(0)]],
     const device int* valid_lens [[buffer(3)]],
@@ -746,24 +892,27 @@ template <typename T, int D, bool GENERIC>
     const device T* slot13 [[buffer(26)]],
     const device T* slot14 [[buffer(27)]],
     const device T* slot15 [[buffer(28)]],
+    const device int* query_starts [[buffer(29)]], // MBD_QUERY_STARTS
     uint3 tgid [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint num_sg [[simdgroups_per_threadgroup]]) {
-  const BdaRaggedRows<T, bda_vector_width<D, GENERIC>()> kv{
+  const BdaRaggedRows<T, bda_vector_width<D, DV, GENERIC>()> kv{
       {{slot0, slot1, slot2, slot3, slot4, slot5, slot6, slot7, slot8, slot9, slot10, slot11, slot12, slot13, slot14,
         slot15}},
       requests, bda_vector_loads, nullptr, nullptr, 0, 0};
-  bda_attend<T, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, nullptr, out, partial_acc, partial_max,
-                            partial_sum, p, requests, tgid, group.first_request + int(tgid.z), sg, lane, num_sg);
+  bda_attend<T, D, DV, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, nullptr, query_starts, out, partial_acc,
+                                partial_max, partial_sum, p, requests, tgid, group.first_request, group.num_requests,
+                                sg, lane, num_sg);
 }
 
 // Split-K second pass: merges the splits' (max, sum, acc) of one output row
-// (request, query head, row i) with log-sum-exp weights, then the sink joins
-// the denominator. Empty splits carry max = -inf; a row with no key gives zeros.
-// requests: the ragged layout's table (p.ragged), whose lengths bound the
-// rows' ranges as in the main pass; any buffer otherwise.
-template <typename T, int D, bool GENERIC>
+// (request, query head, row i; packed: packed row, query head) with
+// log-sum-exp weights, then the sink joins the denominator. Empty splits carry
+// max = -inf; a row with no key gives zeros, and so does every row of
+// malformed query_starts. requests: the ragged layout's table (p.ragged),
+// whose lengths bound the rows' ranges as in the main pass; any buffer otherwise.
+template <typename T, int D, int DV, bool GENERIC>
 [[kernel]] void batched_decode_attention_reduce(
     const device int* valid_lens [[buffer(3)]],
     const device int* kv_starts [[buffer(4)]],
@@ -774,16 +923,30 @@ template <typename T, int D, bool GENERIC>
     const device float* partial_sum [[buffer(9)]],
     constant BatchedDecodeParams& p [[buffer(10)]],
     const device RaggedRequest* requests [[buffer(11)]],
+    const device int* query_starts [[buffer(29)]], // MBD_QUERY_STARTS
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint3 group_size [[threads_per_threadgroup]]) {
-  const int dim = GENERIC ? p.head_dim : D;
-  const int i = tgid.x;
+  const int dim = GENERIC ? p.value_dim : DV;
   const int head = tgid.y;
-  const int b = tgid.z;
-  const int64_t out_row = (int64_t(b) * p.num_q_heads + head) * p.num_rows + i;
+  int i = tgid.x;
+  int b = tgid.z;
+  BdaRows own = BdaRows{0, p.num_rows};
+  if (p.has_query_starts) {
+    // tgid.x is a packed row.
+    if (!bda_starts_valid(query_starts, p)) {
+      for (uint d = tid; d < uint(dim); d += group_size.x) {
+        out[(int64_t(i) * p.num_q_heads + head) * dim + d] = T(0.0f);
+      }
+      return;
+    }
+    b = bda_row_request(query_starts, p, i);
+    own = bda_packed_rows(query_starts, p, b);
+    i -= own.first;
+  }
+  const int64_t out_row = bda_out_row(p, b, own, head, i);
   const BdaRequest request = bda_request(valid_lens, kv_starts, requests, p, b);
-  const BdaRange range = bda_row_keys(request.len, request.start, p.num_rows, i, p.window);
+  const BdaRange range = bda_row_keys(request.len, request.start, own.count, i, p.window);
   const device float* maxes = partial_max + out_row * p.num_splits;
   const device float* sums = partial_sum + out_row * p.num_splits;
   float m_max = -bda_inf;

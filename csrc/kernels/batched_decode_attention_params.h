@@ -20,11 +20,15 @@
 // The dense kernel's ring offsets int32 [B] (has_ring_offset); the index is
 // free in that kernel (the quantized and ragged kernels bind their own there).
 #define MBD_RING_OFFSETS 11
+// Packed queries' query_starts int32 [B + 1] (has_query_starts), in every main
+// kernel and the reduce: past the ragged kernel's last slot (28), Metal's 31 buffers.
+#define MBD_QUERY_STARTS 29
 
 namespace mlx_batched_decode {
 
 // Dimensions: B requests, H_q query heads, H_kv KV heads, G = H_q / H_kv,
-// L query rows per request, T cache positions, D head dim.
+// L query rows per request, T cache positions, D head dim of queries and keys,
+// Dv of values and the output.
 // Strides are in elements; the last axis of every tensor is contiguous.
 struct BatchedDecodeParams {
   int64_t q_batch_stride;
@@ -41,8 +45,8 @@ struct BatchedDecodeParams {
   int64_t sinks_stride;   // sinks, when has_sinks
   int num_q_heads;   // H_q
   int gqa_factor;    // G = H_q / H_kv
-  int num_rows;      // L
-  int head_dim;      // D (the generic kernels' loop bound)
+  int num_rows;      // L (packed queries: N, all requests' rows)
+  int head_dim;      // D (the generic kernels' loop bound of queries and keys)
   int row_groups;    // threadgroups per (request, KV head), along the grid's y
   int group_chunks;  // row chunks (of MBD_FC_ROWS rows) per threadgroup, one per simdgroup set
   int seq_len;       // T, the bound every position is clamped to
@@ -55,6 +59,7 @@ struct BatchedDecodeParams {
   // request, whose own length bounds its positions (k/v strides are unused).
   int ragged;
   float scale;
+  float softcap;  // 0: none; else each score s becomes softcap * tanh(s / softcap)
   // Paged layout (block_size > 0): keys and values are pools [NB, BS, H_kv, D],
   // k/v_batch_stride step pages and k/v_seq_stride rows of a page, and buffer
   // kv_starts holds block_tables int32 [B, MB] (has_kv_starts is 0). Position
@@ -68,6 +73,14 @@ struct BatchedDecodeParams {
   // (t + ring_offsets[b]) mod T; the kernel takes the modulo itself.
   int has_ring_offset;
   int64_t ring_stride;
+  int value_dim;  // Dv (the generic kernels' loop bound of values and the output)
+  int num_requests; // B
+  // Packed queries (has_query_starts): request b has rows query_starts[b] ..
+  // query_starts[b + 1] - 1 of the N = num_rows, queries are the view
+  // [B, H_q, N, D] of batch stride 0, the output [N, H_q, Dv], and row_groups
+  // counts row blocks per KV head, which the kernel maps to requests.
+  int has_query_starts;
+  int64_t query_starts_stride;
 };
 
 } // namespace mlx_batched_decode

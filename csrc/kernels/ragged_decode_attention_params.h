@@ -29,10 +29,12 @@ struct RaggedRequest {
   int length;
 };
 
-// One dispatch of the main pass: its threadgroups' z covers requests
-// first_request .. first_request + grid z - 1.
+// One dispatch of the main pass: requests first_request .. first_request +
+// num_requests - 1, one per threadgroup z (packed queries: the threadgroups of
+// the row blocks of these requests; the others return).
 struct RaggedGroupParams {
   int first_request;
+  int num_requests;
 };
 
 } // namespace mlx_batched_decode

@@ -45,20 +45,21 @@ void check_last_axis(const char* op, const mx::array& a, const std::string& name
 
 namespace {
 
-// The source of the run-time library of (dtype, D), with the quantized main
-// kernel of `bits` when bits != 0, or the ragged main kernel.
-std::string kernel_source(KernelDtype dtype, int head_dim, int bits, bool ragged) {
+// The source of the run-time library of (dtype, D, Dv), with the quantized main
+// kernel of `bits` when bits != 0 (Dv = D), or the ragged main kernel.
+std::string kernel_source(KernelDtype dtype, int head_dim, int value_dim, int bits, bool ragged) {
   if (ragged) {
-    return ragged_library_source(metal_source(), dtype, head_dim);
+    return ragged_library_source(metal_source(), dtype, head_dim, value_dim);
   }
   return bits ? quantized_library_source(metal_source(), dtype, head_dim, bits)
-              : library_source(metal_source(), dtype, head_dim);
+              : library_source(metal_source(), dtype, head_dim, value_dim);
 }
 
-// The kernels of (dtype, D[, bits or ragged]): from the prebuilt metallib, or
+// The kernels of (dtype, D, Dv[, bits or ragged]): from the prebuilt metallib, or
 // from the embedded source, compiled once per process at the first call of this
-// dtype and head dim. A compile failure is an error, never a CPU fallback.
-MTL::Library* kernel_library(mx::metal::Device& d, KernelDtype dtype, int head_dim, int bits, bool ragged) {
+// dtype and head dims. A compile failure is an error, never a CPU fallback.
+MTL::Library* kernel_library(mx::metal::Device& d, KernelDtype dtype, int head_dim, int value_dim, int bits,
+                             bool ragged) {
   switch (metal_backend()) {
     case MetalBackend::metallib:
       return d.get_library(kMetallibName, module_dir());
@@ -68,12 +69,12 @@ MTL::Library* kernel_library(mx::metal::Device& d, KernelDtype dtype, int head_d
       throw std::runtime_error("[batched_decode_attention] Metal is not available");
   }
   const std::string hash = metal_source_hash();
-  const std::string name = ragged ? ragged_library_name(hash, dtype, head_dim)
+  const std::string name = ragged ? ragged_library_name(hash, dtype, head_dim, value_dim)
       : bits                        ? quantized_library_name(hash, dtype, head_dim, bits)
-                                    : library_name(hash, dtype, head_dim);
+                                    : library_name(hash, dtype, head_dim, value_dim);
   try {
     // MLX's safe math mode: the kernel needs IEEE infinities and NaN (as the metallib's -fno-fast-math).
-    return d.get_library(name, mx::CompileOptions{}, [&] { return kernel_source(dtype, head_dim, bits, ragged); });
+    return d.get_library(name, mx::CompileOptions{}, [&] { return kernel_source(dtype, head_dim, value_dim, bits, ragged); });
   } catch (const std::exception& e) {
     throw std::runtime_error("[batched_decode_attention] compiling the Metal kernels " + name +
                              " from source failed: " + e.what());
@@ -127,14 +128,14 @@ void bind_group(mx::metal::CommandEncoder& encoder, const RaggedBuffers& ragged,
       encoder.set_input_array(valid_lens, kRaggedSlot0 + s);
     }
   }
-  encoder.set_bytes(RaggedGroupParams{g.first}, kRaggedGroup);
+  encoder.set_bytes(RaggedGroupParams{g.first, g.count}, kRaggedGroup);
 }
 
 } // namespace
 
 void launch_decode_attention(const mx::Stream& s, const char* primitive, const LaunchShape& shape,
                              const InputStrides& strides, const InputOffsets& offsets, const PagedLayout& paged,
-                             float scale, const DecodeBuffers& in, mx::array& out,
+                             float scale, float softcap, const DecodeBuffers& in, mx::array& out,
                              const QuantizedBuffers* quantized, const RaggedBuffers* ragged) {
   if (shape.has_ring_offset && (paged.block_size > 0 || quantized || ragged)) {
     throw std::invalid_argument(std::string("[") + primitive + "] ring_offset is for the dense layout only");
@@ -148,8 +149,8 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, const L
   bool vectors = ragged      ? ragged_vector_loads(shape, provisional, strides, offsets.q, ragged->layout)
       : quantized ? quantized_vector_loads(shape, provisional, strides, offsets.q)
                   : vector_loads(shape, provisional, strides, offsets, paged);
-  MTL::Library* library =
-      kernel_library(d, shape.dtype, shape.head_dim, quantized ? quantized->bits : 0, ragged != nullptr);
+  MTL::Library* library = kernel_library(d, shape.dtype, shape.head_dim, value_head_dim(shape),
+                                         quantized ? quantized->bits : 0, ragged != nullptr);
   const mx::metal::MTLFCList constants = {
       {&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS},
       {&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}};
@@ -169,7 +170,8 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, const L
   // A plan that ignored a limit would launch nothing and leave zeros: MLX's check raises instead.
   mx::check_kernel_threadgroup_size(kernel, to_mtl(plan.group), plan.kernel);
   const BatchedDecodeParams params =
-      ragged ? make_ragged_params(shape, plan, strides, scale) : make_params(shape, plan, strides, scale, paged);
+      ragged ? make_ragged_params(shape, plan, strides, scale, softcap)
+             : make_params(shape, plan, strides, scale, softcap, paged);
 
   out.set_data(mx::allocator::malloc(out.nbytes()));
 
@@ -212,6 +214,7 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, const L
   encoder.set_output_array(split ? partials[1] : out, kPartialMax);
   encoder.set_output_array(split ? partials[2] : out, kPartialSum);
   encoder.set_bytes(params, kParams);
+  encoder.set_input_array(in.query_starts, kQueryStarts);
   // The quantized and ragged kernels bind buffers of their own at this index.
   if (!quantized && !ragged) {
     encoder.set_input_array(in.ring_offsets, kRingOffsets);
@@ -263,6 +266,7 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, const L
     encoder.set_input_array(partials[2], kPartialSum);
     encoder.set_bytes(params, kParams);
     encoder.set_input_array(requests, kRequests);
+    encoder.set_input_array(in.query_starts, kQueryStarts);
     encoder.dispatch_threadgroups(to_mtl(plan.reduce_grid), to_mtl(plan.reduce_group));
   }
 }

@@ -24,9 +24,9 @@ KernelDtype kernel_dtype(mx::Dtype dtype);
 void check_last_axis(const char* op, const mx::array& a, const std::string& name);
 
 // The arrays bound at the kernels' input indices. kv_starts: the dense op's
-// kv_starts, the paged op's block_tables, or valid_lens when absent; sinks and
-// ring_offsets (the dense kernel's, at kRingOffsets): valid_lens when absent
-// (every argument needs a buffer).
+// kv_starts, the paged op's block_tables, or valid_lens when absent; sinks,
+// ring_offsets (the dense kernel's, at kRingOffsets) and query_starts (every
+// kernel's, at kQueryStarts): valid_lens when absent (every argument needs a buffer).
 struct DecodeBuffers {
   const mx::array& queries;
   const mx::array& keys;
@@ -35,6 +35,7 @@ struct DecodeBuffers {
   const mx::array& kv_starts;
   const mx::array& sinks;
   const mx::array& ring_offsets;
+  const mx::array& query_starts;
 };
 
 // What quantized rows add to a launch: keys and values are the packed words,
@@ -57,12 +58,13 @@ struct RaggedBuffers {
 };
 
 // Plans (with the pipelines' thread limits), allocates out and encodes both
-// passes on s. primitive names the command buffer's label; quantized, if set,
-// selects the quantized main kernel and binds its buffers; ragged, if set, the
-// ragged main kernel, dispatched once per group of requests.
+// passes on s. primitive names the command buffer's label; softcap 0 caps no
+// score (DecodeAttributes::softcap); quantized, if set, selects the quantized
+// main kernel and binds its buffers; ragged, if set, the ragged main kernel,
+// dispatched once per group of requests.
 void launch_decode_attention(const mx::Stream& s, const char* primitive, const LaunchShape& shape,
                              const InputStrides& strides, const InputOffsets& offsets, const PagedLayout& paged,
-                             float scale, const DecodeBuffers& in, mx::array& out,
+                             float scale, float softcap, const DecodeBuffers& in, mx::array& out,
                              const QuantizedBuffers* quantized = nullptr, const RaggedBuffers* ragged = nullptr);
 
 } // namespace mlx_batched_decode

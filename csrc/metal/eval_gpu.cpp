@@ -58,6 +58,8 @@ void launch(DecodePrimitive& p, const std::vector<mx::array>& inputs, mx::array&
   const mx::array& sinks = p.sinks(inputs) ? *p.sinks(inputs) : lens;
   // The dense layout's ring (int32 [B], already in [0, T)); the dense kernel's slot holds valid_lens without one.
   const mx::array* ring = p.ring_offset(inputs);
+  // Packed queries: q is the view [B, H_q, N, D] of batch stride 0 and out [N, H_q, Dv].
+  const mx::array* query_starts = p.query_starts(inputs);
   if (out.size() == 0) { // B == 0: nothing to launch
     out.set_data(mx::allocator::malloc(0));
     return;
@@ -71,7 +73,8 @@ void launch(DecodePrimitive& p, const std::vector<mx::array>& inputs, mx::array&
   const DecodeAttributes& at = p.attributes();
   const LaunchShape shape{
       q.shape(0), q.shape(1), rows.H_kv, q.shape(2), rows.T, q.shape(3), effective_window(at.window, rows.T),
-      kernel_dtype(q.dtype()), at.has_kv_starts, at.has_sinks, ring != nullptr};
+      kernel_dtype(q.dtype()), at.has_kv_starts, at.has_sinks, ring != nullptr, p.value_dim(inputs),
+      query_starts != nullptr};
   const int batch = rows.axes[0], head = rows.axes[1], seq = rows.axes[2];
   // The ragged layout's K/V strides and offsets are each request's, in its table: 0 here.
   const auto kv = [&](const mx::array& a, int axis) { return per_request ? 0 : a.strides(axis); };
@@ -79,15 +82,16 @@ void launch(DecodePrimitive& p, const std::vector<mx::array>& inputs, mx::array&
                              kv(k, batch),   kv(k, head),    kv(k, seq),
                              kv(v, batch),   kv(v, head),    kv(v, seq),
                              lens.strides(0), tables ? 0 : starts.strides(0), sinks.strides(0),
-                             ring ? ring->strides(0) : 0};
+                             ring ? ring->strides(0) : 0,    query_starts ? query_starts->strides(0) : 0};
   // Metal buffers start at least 16-byte aligned, so the views' byte offsets decide the vector loads.
   const InputOffsets offsets{q.offset(), per_request ? 0 : k.offset(), per_request ? 0 : v.offset()};
   const PagedLayout paged = tables ? PagedLayout{k.shape(seq), k.shape(batch), tables->strides(0), tables->strides(1)}
                                    : PagedLayout{};
   const RaggedLayout layout = per_request ? ragged_layout(rows, q.shape(0)) : RaggedLayout{};
   const RaggedBuffers ragged{layout, rows.request_keys, rows.request_values};
-  launch_decode_attention(p.stream(), p.name(), shape, strides, offsets, paged, at.scale,
-                          {q, k, v, lens, starts, sinks, ring ? *ring : lens}, out, quantized,
+  launch_decode_attention(p.stream(), p.name(), shape, strides, offsets, paged, at.scale, at.softcap,
+                          {q, k, v, lens, starts, sinks, ring ? *ring : lens, query_starts ? *query_starts : lens},
+                          out, quantized,
                           per_request ? &ragged : nullptr);
 }
 

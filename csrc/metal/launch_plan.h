@@ -4,7 +4,8 @@
 //
 // Dimensions: B requests, H_q query heads, H_kv KV heads, G = H_q / H_kv,
 // L query rows per request, R = G * L rows per (request, KV head),
-// T cache positions, D head dim.
+// T cache positions, D head dim of queries and keys, Dv of values and the output.
+// Packed queries: N rows in all, request b's q_b of them (query_starts, device data).
 #pragma once
 
 #include <algorithm>
@@ -25,7 +26,7 @@ struct LaunchShape {
   int batch;                 // B
   int num_q_heads;           // H_q
   int num_kv_heads;          // H_kv
-  int num_rows;              // L
+  int num_rows;              // L; packed queries: N
   int seq_len;               // T (capacity of the K/V views, not a length)
   int head_dim;              // D
   int window;                // effective_window(window, T): in [1, max(T, 1)]
@@ -33,7 +34,14 @@ struct LaunchShape {
   bool has_kv_starts;
   bool has_sinks;
   bool has_ring_offset = false; // the dense layout's ring (MBD_RING_OFFSETS)
+  int value_dim = 0;            // Dv; 0: D
+  bool has_query_starts = false; // packed queries (MBD_QUERY_STARTS)
 };
+
+/** Dv of a shape. */
+inline int value_head_dim(const LaunchShape& s) {
+  return s.value_dim > 0 ? s.value_dim : s.head_dim;
+}
 
 struct Size3 {
   uint64_t x, y, z;
@@ -63,14 +71,15 @@ enum BufferIndex : int {
   kPartialSum = 9,
   kParams = 10,
   kRingOffsets = MBD_RING_OFFSETS, // the dense kernel's only
+  kQueryStarts = MBD_QUERY_STARTS,
 };
 
 struct LaunchPlan {
   std::string kernel;        // main pass, one threadgroup per (split, KV head x row group, request)
   std::string reduce_kernel; // split-K merge; empty when num_splits == 1
-  Size3 grid;                // threadgroups of the main pass
+  Size3 grid;                // threadgroups of the main pass (packed: (splits, H_kv x row_groups, 1))
   Size3 group;               // threads per threadgroup of the main pass
-  Size3 reduce_grid;         // threadgroups of the reduction: (L, H_q, B)
+  Size3 reduce_grid;         // threadgroups of the reduction: (L, H_q, B); packed: (N, H_q, 1)
   Size3 reduce_group;
   int num_splits;
   int split_len;
@@ -78,10 +87,13 @@ struct LaunchPlan {
   int rows_per_group;        // rows of a row chunk (one simdgroup's): function constant MBD_FC_ROWS
   int row_chunks;            // ceil(R / rows_per_group), all of a (request, KV head)
   int group_chunks;          // row chunks one threadgroup holds, each on group / 32 / group_chunks simdgroups
-  int row_groups;            // ceil(row_chunks / group_chunks): threadgroups per (request, KV head)
+  // ceil(row_chunks / group_chunks): threadgroups per (request, KV head); packed,
+  // row blocks per KV head, G * N / rows_per_block + B (the kernel's bda_block_request)
+  int row_groups;
   int vector_width;          // elements per vector load (1: scalar loads), see vector_loads()
-  uint64_t partial_acc_elems;   // float32 [B, H_q, L, splits, D]; 0 when single pass
-  uint64_t partial_stats_elems; // float32 [B, H_q, L, splits] for max and for sum
+  uint64_t partial_acc_elems;   // float32 [output rows, splits, Dv]; 0 when single pass
+  uint64_t partial_stats_elems; // float32 [output rows, splits] for max and for sum
+  bool packed_queries;       // query_starts: the request of a threadgroup is its row block's
 };
 
 // Split-K aims for this many threadgroups (a few per GPU core on Apple silicon).
@@ -92,10 +104,12 @@ constexpr int kMaxSplits = 64;
 // Floats of query rows one lane keeps in registers (as many again for the
 // accumulators): bounds the rows per threadgroup of the widest head dims.
 constexpr int kLaneQueryFloats = 64;
-// The buckets of the generic kernels (head_dims.h has the fast ones); the last
-// one is the largest head dim of all.
-constexpr int kGenericHeadDims[] = {32, 64, 128, 256, 512};
-static_assert(std::end(kGenericHeadDims)[-1] == kMaxHeadDim);
+// The buckets of the generic kernels, by the wider of D and Dv (head_dims.h
+// has the fast ones); the last one is the keys' largest head dim.
+constexpr int kGenericHeadDims[] = {32, 64, 128, 256, 512, 576};
+static_assert(std::end(kGenericHeadDims)[-1] == kMaxKeyHeadDim);
+// Fast kernels of values narrower than keys: (192, 128) and MLA's latent (576, 512).
+constexpr int kFastHeadDimPairs[][2] = {{192, 128}, {576, 512}};
 
 /** "float16", "bfloat16" or "float32". */
 inline const char* dtype_name(KernelDtype dtype) {
@@ -103,32 +117,47 @@ inline const char* dtype_name(KernelDtype dtype) {
   return names[static_cast<int>(dtype)];
 }
 
-/** The head dim a kernel is compiled for: D itself, or the generic bucket holding D. */
-inline int kernel_head_dim(int head_dim) {
-  if (is_fast_head_dim(head_dim)) {
-    return head_dim;
+/** Whether (D, Dv) (value_dim 0: Dv = D) has a fast kernel: a fast head dim of both, or a fast pair. */
+inline bool is_fast_kernel(int head_dim, int value_dim = 0) {
+  const int dv = value_dim > 0 ? value_dim : head_dim;
+  if (dv == head_dim) {
+    return is_fast_head_dim(head_dim);
   }
-  return *std::find_if(std::begin(kGenericHeadDims), std::end(kGenericHeadDims),
-                       [&](int n) { return head_dim <= n; });
+  return std::any_of(std::begin(kFastHeadDimPairs), std::end(kFastHeadDimPairs),
+                     [&](const int* pair) { return pair[0] == head_dim && pair[1] == dv; });
 }
 
-/** Elements per vector load for head dim D; mirrors the kernel's choice. */
-inline int vector_width(int head_dim) {
-  if (!is_fast_head_dim(head_dim)) {
+/** The width a kernel is compiled for: D itself (max(D, Dv) of a fast pair), or the generic
+ * bucket holding max(D, Dv). */
+inline int kernel_head_dim(int head_dim, int value_dim = 0) {
+  const int widest = std::max(head_dim, value_dim);
+  if (is_fast_kernel(head_dim, value_dim)) {
+    return widest;
+  }
+  return *std::find_if(std::begin(kGenericHeadDims), std::end(kGenericHeadDims),
+                       [&](int n) { return widest <= n; });
+}
+
+/** Elements per vector load for head dims (D, Dv), one width for both; mirrors the kernel's choice. */
+inline int vector_width(int head_dim, int value_dim = 0) {
+  if (!is_fast_kernel(head_dim, value_dim)) {
     return 1;
   }
-  return head_dim % 128 == 0 ? 4 : 2;
+  const int dv = value_dim > 0 ? value_dim : head_dim;
+  return head_dim % 128 == 0 && dv % 128 == 0 ? 4 : 2;
 }
 
 inline int ceil_div(int64_t a, int64_t b) {
   return int((a + b - 1) / b);
 }
 
-/** The end of the kernels' host names for a dtype and head dim: "float16_128", "float16_upto256". */
-inline std::string kernel_suffix(KernelDtype dtype, int head_dim) {
-  const std::string dim = is_fast_head_dim(head_dim)
-      ? std::to_string(head_dim)
-      : "upto" + std::to_string(kernel_head_dim(head_dim));
+/** The end of the kernels' host names for a dtype and head dims (D, Dv; value_dim 0: Dv = D):
+ * "float16_128", "float16_576_v512", "float16_upto256". */
+inline std::string kernel_suffix(KernelDtype dtype, int head_dim, int value_dim = 0) {
+  const bool pair = value_dim > 0 && value_dim != head_dim;
+  const std::string dim = !is_fast_kernel(head_dim, value_dim)
+      ? "upto" + std::to_string(kernel_head_dim(head_dim, value_dim))
+      : std::to_string(head_dim) + (pair ? "_v" + std::to_string(value_dim) : "");
   return std::string(dtype_name(dtype)) + "_" + dim;
 }
 
@@ -144,10 +173,10 @@ inline void check_thread_limit(int limit, const std::string& kernel) {
   }
 }
 
-/** Host name of the main (or reduce) kernel for a dtype and head dim. */
-inline std::string kernel_name(KernelDtype dtype, int head_dim, bool reduce) {
+/** Host name of the main (or reduce) kernel for a dtype and head dims. */
+inline std::string kernel_name(KernelDtype dtype, int head_dim, int value_dim, bool reduce) {
   return std::string(reduce ? "batched_decode_attention_reduce_" : "batched_decode_attention_") +
-      kernel_suffix(dtype, head_dim);
+      kernel_suffix(dtype, head_dim, value_dim);
 }
 
 /**
@@ -155,6 +184,13 @@ inline std::string kernel_name(KernelDtype dtype, int head_dim, bool reduce) {
  * request's R rows share each K/V row read when one threadgroup holds them
  * all: one simdgroup per row chunk at least, so a limit below
  * 32 x row_chunks splits them into row groups, which read the keys again.
+ *
+ * Packed queries (N rows, q_b per request on the device): row groups are
+ * sized for the mean request, ceil(N / B) rows, and the grid holds G * N /
+ * rows_per_block + B row blocks per KV head (rows_per_block = group_chunks x
+ * rows_per_group), enough for any q_b that sum to N: the kernel maps a block to
+ * its request by binary search over query_starts, and blocks past a request's
+ * rows return at once.
  */
 inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& limits) {
   const std::string prefix = "[batched_decode_attention] ";
@@ -164,8 +200,13 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& lim
   if (s.num_q_heads % s.num_kv_heads != 0) {
     throw std::invalid_argument(prefix + "H_q must be a multiple of H_kv");
   }
-  if (s.head_dim < 1 || s.head_dim > kMaxHeadDim) {
+  const int dv = value_head_dim(s);
+  if (s.head_dim < 1 || s.head_dim > kMaxKeyHeadDim) {
     throw std::invalid_argument(prefix + "head dim " + std::to_string(s.head_dim) + " has no Metal kernel (1 to " +
+                                std::to_string(kMaxKeyHeadDim) + ")");
+  }
+  if (dv < 1 || dv > kMaxHeadDim) {
+    throw std::invalid_argument(prefix + "the values' head dim " + std::to_string(dv) + " has no Metal kernel (1 to " +
                                 std::to_string(kMaxHeadDim) + ")");
   }
   if (s.window < 1 || s.window > std::max(s.seq_len, 1)) {
@@ -173,19 +214,22 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& lim
         prefix + "window " + std::to_string(s.window) + " must be in [1, max(T, 1)] (effective_window)");
   }
   LaunchPlan p{};
-  p.kernel = kernel_name(s.dtype, s.head_dim, false);
+  p.kernel = kernel_name(s.dtype, s.head_dim, dv, false);
   check_thread_limit(limits.main, p.kernel);
-  p.vector_width = vector_width(s.head_dim);
+  p.vector_width = vector_width(s.head_dim, dv);
+  p.packed_queries = s.has_query_starts;
 
   // The kernel counts rows (and the grid its row chunks) in 32 bits.
   if (int64_t(s.num_q_heads) * s.num_rows > std::numeric_limits<int>::max()) {
     throw std::invalid_argument(prefix + "H_q * L = " + std::to_string(int64_t(s.num_q_heads) * s.num_rows) +
                                 " query rows per request is more than the Metal kernel counts");
   }
-  const int64_t rows = int64_t(s.num_q_heads / s.num_kv_heads) * s.num_rows;
+  const int G = s.num_q_heads / s.num_kv_heads;
+  // Rows of one request: L, or, packed, the mean q_b.
+  const int64_t rows = int64_t(G) * (s.has_query_starts ? ceil_div(s.num_rows, s.batch) : s.num_rows);
   // Registers per lane and query row: the compiled head dim over 32 lanes, in whole loads.
   const int lane_floats =
-      ceil_div(kernel_head_dim(s.head_dim), int64_t(MBD_SIMD_WIDTH) * p.vector_width) * p.vector_width;
+      ceil_div(kernel_head_dim(s.head_dim, dv), int64_t(MBD_SIMD_WIDTH) * p.vector_width) * p.vector_width;
   // Chunks of equal rows (within one), as few as the registers allow.
   const int64_t most_rows = std::min<int64_t>({rows, MBD_MAX_ROWS, std::max(1, kLaneQueryFloats / lane_floats)});
   p.row_chunks = ceil_div(rows, most_rows);
@@ -195,11 +239,19 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& lim
   p.row_groups = ceil_div(p.row_chunks, simdgroups);
   p.group_chunks = ceil_div(p.row_chunks, p.row_groups);
   const int streams = simdgroups / p.group_chunks;
-  // A threadgroup's rows cover at most L consecutive positions, each reading at most window keys.
-  p.keys_span = int(std::min<int64_t>(s.seq_len, int64_t(s.window) + s.num_rows - 1));
+  // A threadgroup's rows cover at most L consecutive positions, each reading at most window keys;
+  // packed, the positions its block's rows (i, then g) can span, of one request's at most N.
+  const int block_rows = p.group_chunks * p.rows_per_group;
+  const int64_t positions =
+      s.has_query_starts ? std::min<int64_t>(s.num_rows, 1 + ceil_div(block_rows - 1, G)) : s.num_rows;
+  p.keys_span = int(std::min<int64_t>(s.seq_len, int64_t(s.window) + positions - 1));
+  if (s.has_query_starts) {
+    p.row_groups = int(int64_t(G) * s.num_rows / block_rows + s.batch);
+  }
+  const int64_t requests = s.has_query_starts ? 1 : s.batch;
 
   // Split the keys only when (request, KV head, row group) items can't fill the GPU.
-  const int64_t items = int64_t(s.batch) * s.num_kv_heads * p.row_groups;
+  const int64_t items = requests * s.num_kv_heads * p.row_groups;
   int splits = 1;
   if (items < kTargetThreadgroups) {
     splits = int(std::max<int64_t>(1, std::min<int64_t>(
@@ -211,25 +263,28 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& lim
   // Recount so that no split starts at or past the span.
   p.num_splits = std::max(1, ceil_div(p.keys_span, p.split_len));
 
-  p.grid = {uint64_t(p.num_splits), uint64_t(s.num_kv_heads) * p.row_groups, uint64_t(s.batch)};
+  p.grid = {uint64_t(p.num_splits), uint64_t(s.num_kv_heads) * p.row_groups, uint64_t(requests)};
   p.group = {uint64_t(p.group_chunks) * streams * MBD_SIMD_WIDTH, 1, 1};
   if (p.num_splits > 1) {
-    p.reduce_kernel = kernel_name(s.dtype, s.head_dim, true);
+    p.reduce_kernel = kernel_name(s.dtype, s.head_dim, dv, true);
     check_thread_limit(limits.reduce, p.reduce_kernel);
-    p.reduce_grid = {uint64_t(s.num_rows), uint64_t(s.num_q_heads), uint64_t(s.batch)};
+    // One threadgroup per output row and query head: (L, H_q, B), or packed (N, H_q, 1).
+    p.reduce_grid = {uint64_t(s.num_rows), uint64_t(s.num_q_heads), uint64_t(requests)};
     const int reduce_threads = std::min(
-        ceil_div(s.head_dim, MBD_SIMD_WIDTH) * MBD_SIMD_WIDTH,
+        ceil_div(dv, MBD_SIMD_WIDTH) * MBD_SIMD_WIDTH,
         limits.reduce / MBD_SIMD_WIDTH * MBD_SIMD_WIDTH);
     p.reduce_group = {uint64_t(reduce_threads), 1, 1};
-    p.partial_stats_elems = uint64_t(s.batch) * s.num_q_heads * s.num_rows * p.num_splits;
-    p.partial_acc_elems = p.partial_stats_elems * s.head_dim;
+    p.partial_stats_elems = uint64_t(requests) * s.num_q_heads * s.num_rows * p.num_splits;
+    p.partial_acc_elems = p.partial_stats_elems * dv;
   }
   return p;
 }
 
 /**
- * Strides (in elements) of queries [B, H_q, L, D], keys/values [B, H_kv, T, D],
- * valid_lens [B], kv_starts [B], sinks [H_q] and ring offsets [B] (the last three: any value when absent).
+ * Strides (in elements) of queries [B, H_q, L, D] (packed: the view [B, H_q, N, D]
+ * of batch stride 0), keys [B, H_kv, T, D], values [B, H_kv, T, Dv], valid_lens [B],
+ * kv_starts [B], sinks [H_q], ring offsets [B] and query_starts [B + 1] (the last four:
+ * any value when absent).
  */
 struct InputStrides {
   int64_t q_batch, q_head, q_row;
@@ -239,6 +294,7 @@ struct InputStrides {
   int64_t starts;
   int64_t sinks;
   int64_t ring = 0;
+  int64_t query_starts = 0;
 };
 
 /**
@@ -287,6 +343,12 @@ inline InputStrides effective_strides(const LaunchShape& s, const InputStrides& 
   if (!s.has_ring_offset) {
     st.ring = 0;
   }
+  // Every request reads the one [N, H_q, D] array of packed rows.
+  if (s.has_query_starts) {
+    st.q_batch = 0;
+  } else {
+    st.query_starts = 0;
+  }
   return st;
 }
 
@@ -318,12 +380,13 @@ inline bool vector_loads(const LaunchShape& s, const LaunchPlan& plan, const Inp
       std::all_of(std::begin(bytes), std::end(bytes), multiple_of(vector_bytes));
 }
 
-/** Kernel arguments for a plan. */
+/** Kernel arguments for a plan; softcap 0 caps no score (DecodeAttributes::softcap). */
 inline BatchedDecodeParams make_params(
     const LaunchShape& s,
     const LaunchPlan& plan,
     const InputStrides& strides,
     float scale,
+    float softcap,
     const PagedLayout& paged = {}) {
   const InputStrides st = effective_strides(s, strides, paged);
   BatchedDecodeParams p{};
@@ -352,12 +415,17 @@ inline BatchedDecodeParams make_params(
   p.has_kv_starts = s.has_kv_starts ? 1 : 0;
   p.has_sinks = s.has_sinks ? 1 : 0;
   p.scale = scale;
+  p.softcap = softcap;
   p.block_size = paged.block_size;
   p.num_blocks = paged.num_blocks;
   p.table_batch_stride = paged.table_batch;
   p.table_page_stride = paged.table_page;
   p.has_ring_offset = s.has_ring_offset ? 1 : 0;
   p.ring_stride = st.ring;
+  p.value_dim = value_head_dim(s);
+  p.num_requests = s.batch;
+  p.has_query_starts = s.has_query_starts ? 1 : 0;
+  p.query_starts_stride = st.query_starts;
   return p;
 }
 

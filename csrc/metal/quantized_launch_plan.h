@@ -28,6 +28,10 @@ inline LaunchPlan make_quantized_launch_plan(const LaunchShape& s, const ThreadL
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument(prefix + "group_size must be 32, 64 or 128");
   }
+  if (value_head_dim(s) != s.head_dim || s.head_dim > kMaxHeadDim) {
+    throw std::invalid_argument(prefix + "keys and values share one head dim, at most " +
+                                std::to_string(kMaxHeadDim));
+  }
   if (s.head_dim % group_size != 0) {
     throw std::invalid_argument(prefix + "head dim " + std::to_string(s.head_dim) + " is not a multiple of group_size");
   }

@@ -29,15 +29,15 @@ enum RaggedBufferIndex : int {
 constexpr int kRaggedSlots = MBD_RAGGED_SLOTS;
 
 /** Host name of the ragged main kernel: "ragged_decode_attention_float16_128". */
-inline std::string ragged_kernel_name(KernelDtype dtype, int head_dim) {
-  return "ragged_decode_attention_" + kernel_suffix(dtype, head_dim);
+inline std::string ragged_kernel_name(KernelDtype dtype, int head_dim, int value_dim = 0) {
+  return "ragged_decode_attention_" + kernel_suffix(dtype, head_dim, value_dim);
 }
 
 /** The launch of both passes; s.seq_len is the longest T_b. The grid's z is B: each group
  * dispatches its own requests (ragged_group_grid). */
 inline LaunchPlan make_ragged_launch_plan(const LaunchShape& s, const ThreadLimits& limits) {
   LaunchPlan p = make_launch_plan(s, limits);
-  p.kernel = ragged_kernel_name(s.dtype, s.head_dim);
+  p.kernel = ragged_kernel_name(s.dtype, s.head_dim, value_head_dim(s));
   return p;
 }
 
@@ -142,9 +142,10 @@ inline RaggedLayout make_ragged_layout(const std::vector<RaggedArray>& keys, con
   return out;
 }
 
-/** The main pass's grid of one group: the plan's, over the group's requests. */
+/** The main pass's grid of one group: the plan's, over the group's requests (packed queries:
+ * every row block, those of other groups' requests returning at once). */
 inline Size3 ragged_group_grid(const LaunchPlan& plan, const RaggedGroup& group) {
-  return {plan.grid.x, plan.grid.y, uint64_t(group.count)};
+  return {plan.grid.x, plan.grid.y, plan.packed_queries ? 1 : uint64_t(group.count)};
 }
 
 /** `strides` with the keys' and values' (which the table holds per request) set to 0. */
@@ -179,8 +180,8 @@ inline bool ragged_vector_loads(const LaunchShape& s, const LaunchPlan& plan, co
 
 /** Kernel arguments of a ragged plan: the dense ones, flagged ragged, with no K/V strides. */
 inline BatchedDecodeParams make_ragged_params(const LaunchShape& s, const LaunchPlan& plan,
-                                              const InputStrides& strides, float scale) {
-  BatchedDecodeParams p = make_params(s, plan, without_kv_strides(strides), scale);
+                                              const InputStrides& strides, float scale, float softcap) {
+  BatchedDecodeParams p = make_params(s, plan, without_kv_strides(strides), scale, softcap);
   p.ragged = 1;
   return p;
 }

@@ -25,9 +25,9 @@ using namespace mlx_batched_decode;
 
 namespace {
 
-// Every buffer index a kernel binds: 0 .. the ragged kernel's last slot.
-constexpr int kBindings = kRaggedSlot0 + kRaggedSlots;
-static_assert(kBindings <= emu::kMaxBuffers);
+// Every buffer index a kernel binds: 0 .. the ragged kernel's last slot, then query_starts.
+constexpr int kBindings = kQueryStarts + 1;
+static_assert(kRaggedSlot0 + kRaggedSlots <= kQueryStarts && kBindings <= emu::kMaxBuffers);
 
 int report(const std::string& message, char* error, int error_len) {
   if (error_len > 0) {
@@ -37,12 +37,13 @@ int report(const std::string& message, char* error, int error_len) {
   return 1;
 }
 
-// shape = {B, H_q, H_kv, L, T, D, window (effective), dtype (0 f16, 1 bf16, 2 f32),
-// main pipeline's thread limit, reduce pipeline's, has kv_starts, has sinks}.
-constexpr int kShapeInts = 12;
+// shape = {B, H_q, H_kv, L (packed: N), T, D, window (effective), dtype (0 f16, 1 bf16, 2 f32),
+// main pipeline's thread limit, reduce pipeline's, has kv_starts, has sinks, Dv, has query_starts}.
+constexpr int kShapeInts = 14;
 
 LaunchShape to_shape(const int s[kShapeInts]) {
-  return LaunchShape{s[0], s[1], s[2], s[3], s[4], s[5], s[6], KernelDtype(s[7]), s[10] != 0, s[11] != 0};
+  return LaunchShape{s[0], s[1], s[2], s[3], s[4], s[5], s[6], KernelDtype(s[7]), s[10] != 0, s[11] != 0,
+                     false, s[12], s[13] != 0};
 }
 
 ThreadLimits to_limits(const int s[kShapeInts]) {
@@ -82,6 +83,13 @@ void ragged_arrays(int B, void* const* arrays, void* const* buffers, const long 
     const int64_t offset = static_cast<const char*>(arrays[i]) - static_cast<const char*>(buffers[i]);
     (i < B ? keys : values).push_back({buffers[i], offset, strides[2 * i], strides[2 * i + 1]});
   }
+}
+
+// As eval_gpu: query_starts at kQueryStarts, or valid_lens (unread) without them.
+void bind_query_starts(void** buffers, unsigned long long* bytes, const int* query_starts,
+                       unsigned long long query_starts_bytes) {
+  buffers[kQueryStarts] = query_starts ? const_cast<int*>(query_starts) : buffers[kValidLens];
+  bytes[kQueryStarts] = query_starts ? query_starts_bytes : bytes[kValidLens];
 }
 
 void bind_inputs(const LaunchShape& s, void** buffers, const void* queries, const void* keys, const void* values,
@@ -182,7 +190,9 @@ static std::string run_passes(const LaunchShape& s, const LaunchPlan& plan, void
   buffers[kPartialAcc] = split ? static_cast<void*>(partial_acc.data()) : out;
   buffers[kPartialMax] = split ? static_cast<void*>(partial_max.data()) : out;
   buffers[kPartialSum] = split ? static_cast<void*>(partial_sum.data()) : out;
-  const uint64_t out_bytes = uint64_t(s.batch) * s.num_q_heads * s.num_rows * s.head_dim * dtype_size(s.dtype);
+  // [B, H_q, L, Dv], or packed [N, H_q, Dv].
+  const uint64_t out_rows = uint64_t(s.has_query_starts ? 1 : s.batch) * s.num_q_heads * s.num_rows;
+  const uint64_t out_bytes = out_rows * value_head_dim(s) * dtype_size(s.dtype);
   bytes[kOut] = out_bytes;
   bytes[kPartialAcc] = split ? partial_acc.size() * sizeof(float) : out_bytes;
   bytes[kPartialMax] = split ? partial_max.size() * sizeof(float) : out_bytes;
@@ -206,6 +216,7 @@ static std::string run_passes(const LaunchShape& s, const LaunchPlan& plan, void
         bytes[kRaggedSlot0 + slot] = used ? ragged->buffer_bytes[rg.slots[slot]] : bytes[kValidLens];
       }
       group_params.first_request = rg.first;
+      group_params.num_requests = rg.count;
       buffers[kRaggedGroup] = &group_params;
       bytes[kRaggedGroup] = sizeof(group_params);
       copy3(ragged_group_grid(plan, rg), grid);
@@ -237,7 +248,9 @@ static std::string run_passes(const LaunchShape& s, const LaunchPlan& plan, void
 
 /**
  * Emulated batched decode attention. strides = {q batch, q head, q row, k batch,
- * k head, k seq, v batch, v head, v seq, lens, starts, sinks} in elements;
+ * k head, k seq, v batch, v head, v seq, lens, starts, sinks} in elements (values
+ * of the shape's Dv columns, out [B, H_q, L, Dv] or, packed, [N, H_q, Dv]);
+ * softcap: DecodeAttributes::softcap (0: scores are not capped);
  * kv_starts and sinks may be null when the shape says they are absent;
  * input_bytes: the bytes of queries, keys, values, valid_lens, kv_starts and
  * sinks from their first element (for the load counts); out is a contiguous
@@ -249,12 +262,17 @@ static std::string run_passes(const LaunchShape& s, const LaunchPlan& plan, void
  * ring_offsets: null, or the dense layout's ring offsets int32 [B] (raw: the
  * kernel takes them modulo T) of stride ring_stride and ring_bytes bytes,
  * bound at kRingOffsets as eval_gpu of BatchedDecodeAttention binds them.
+ * query_starts: null, or packed queries' int32 [B + 1] (raw: the kernel checks them) of stride
+ * query_starts_stride and query_starts_bytes bytes, when the shape says so; queries are then
+ * the view [B, H_q, N, D] of batch stride 0. The same three close every entry point below.
  */
 int mbd_emu_attention(const int shape[kShapeInts], const long long strides[12], const void* queries,
                       const void* keys, const void* values, const int* valid_lens, const int* kv_starts,
                       const float* sinks, const unsigned long long input_bytes[6], void* out, float scale,
-                      int backend, char* error, int error_len, const long long* paged, const int* ring_offsets,
-                      long long ring_stride, unsigned long long ring_bytes) {
+                      float softcap, int backend, char* error, int error_len, const long long* paged,
+                      const int* ring_offsets, long long ring_stride, unsigned long long ring_bytes,
+                      const int* query_starts, long long query_starts_stride,
+                      unsigned long long query_starts_bytes) {
   try {
     std::memset(&last_launch, 0, sizeof(last_launch));
     LaunchShape s = to_shape(shape);
@@ -263,13 +281,14 @@ int mbd_emu_attention(const int shape[kShapeInts], const long long strides[12], 
     }
     s.has_ring_offset = ring_offsets != nullptr;
     const LaunchPlan plan = make_launch_plan(s, to_limits(shape));
-    const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
-                          strides[6], strides[7], strides[8], strides[9], strides[10], strides[11], ring_stride};
+    const InputStrides st{strides[0], strides[1], strides[2],  strides[3],  strides[4],  strides[5], strides[6],
+                          strides[7], strides[8], strides[9], strides[10], strides[11], ring_stride,
+                          query_starts_stride};
     PagedLayout layout;
     if (paged != nullptr) {
       layout = PagedLayout{int(paged[0]), int(paged[1]), paged[2], paged[3]};
     }
-    BatchedDecodeParams params = make_params(s, plan, st, scale, layout);
+    BatchedDecodeParams params = make_params(s, plan, st, scale, softcap, layout);
     // Addresses are offsets from address 0, as aligned as the start of a Metal buffer.
     const InputOffsets offsets{int64_t(reinterpret_cast<std::uintptr_t>(queries)),
                                int64_t(reinterpret_cast<std::uintptr_t>(keys)),
@@ -285,6 +304,7 @@ int mbd_emu_attention(const int shape[kShapeInts], const long long strides[12], 
     // As eval_gpu: without a ring, the dense kernel's ring slot holds valid_lens, unread.
     buffers[kRingOffsets] = ring_offsets ? const_cast<int*>(ring_offsets) : buffers[kValidLens];
     bytes[kRingOffsets] = ring_offsets ? ring_bytes : bytes[kValidLens];
+    bind_query_starts(buffers, bytes, query_starts, query_starts_bytes);
     const std::string problem =
         run_passes(s, plan, buffers, bytes, vector_loads(s, plan, st, offsets, layout), backend);
     return problem.empty() ? 0 : report(problem, error, error_len);
@@ -306,8 +326,9 @@ int mbd_emu_quantized_attention(const int shape[kShapeInts], const long long str
                                 const long long quantized_strides[16], const int quant[3], const void* queries,
                                 const void* keys, const void* values, const int* valid_lens, const int* kv_starts,
                                 const float* sinks, void* const scales_biases[4],
-                                const unsigned long long input_bytes[10], void* out, float scale, int backend,
-                                char* error, int error_len) {
+                                const unsigned long long input_bytes[10], void* out, float scale, float softcap,
+                                int backend, char* error, int error_len, const int* query_starts,
+                                long long query_starts_stride, unsigned long long query_starts_bytes) {
   try {
     std::memset(&last_launch, 0, sizeof(last_launch));
     const LaunchShape s = to_shape(shape);
@@ -315,9 +336,9 @@ int mbd_emu_quantized_attention(const int shape[kShapeInts], const long long str
       return 0;
     }
     const LaunchPlan plan = make_quantized_launch_plan(s, to_limits(shape), quant[0], quant[1]);
-    const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
-                          strides[6], strides[7], strides[8], strides[9], strides[10], strides[11]};
-    BatchedDecodeParams params = make_params(s, plan, st, scale);
+    const InputStrides st{strides[0], strides[1], strides[2],  strides[3],  strides[4],  strides[5], strides[6],
+                          strides[7], strides[8], strides[9], strides[10], strides[11], 0, query_starts_stride};
+    BatchedDecodeParams params = make_params(s, plan, st, scale, softcap);
     QuantizedStrides qs{};
     for (int side = 0; side < 2; ++side) {
       for (int axis = 0; axis < 4; ++axis) {
@@ -337,6 +358,7 @@ int mbd_emu_quantized_attention(const int shape[kShapeInts], const long long str
     }
     buffers[MBD_QUANT_PARAMS] = &qparams;
     bytes[MBD_QUANT_PARAMS] = sizeof(qparams);
+    bind_query_starts(buffers, bytes, query_starts, query_starts_bytes);
     const bool vectors = quantized_vector_loads(s, plan, st, int64_t(reinterpret_cast<std::uintptr_t>(queries)));
     const std::string problem = run_passes(s, plan, buffers, bytes, vectors, backend);
     return problem.empty() ? 0 : report(problem, error, error_len);
@@ -358,7 +380,9 @@ int mbd_emu_ragged_attention(const int shape[kShapeInts], const long long stride
                              const int* valid_lens, const int* kv_starts, const float* sinks,
                              const unsigned long long input_bytes[4], void* const* arrays, void* const* buffers,
                              const unsigned long long* buffer_bytes, const long long* array_strides,
-                             const int* lengths, void* out, float scale, int backend, char* error, int error_len) {
+                             const int* lengths, void* out, float scale, float softcap, int backend, char* error,
+                             int error_len, const int* query_starts, long long query_starts_stride,
+                             unsigned long long query_starts_bytes) {
   try {
     std::memset(&last_launch, 0, sizeof(last_launch));
     const LaunchShape s = to_shape(shape);
@@ -367,15 +391,16 @@ int mbd_emu_ragged_attention(const int shape[kShapeInts], const long long stride
     const RaggedLayout layout = make_ragged_layout(keys, values, std::vector<int>(lengths, lengths + s.batch),
                                                    s.num_kv_heads, dtype_size(s.dtype));
     const LaunchPlan plan = make_ragged_launch_plan(s, to_limits(shape));
-    const InputStrides st{strides[0], strides[1], strides[2], strides[3], strides[4], strides[5],
-                          strides[6], strides[7], strides[8], strides[9], strides[10], strides[11]};
-    BatchedDecodeParams params = make_ragged_params(s, plan, st, scale);
+    const InputStrides st{strides[0], strides[1], strides[2],  strides[3],  strides[4],  strides[5], strides[6],
+                          strides[7], strides[8], strides[9], strides[10], strides[11], 0, query_starts_stride};
+    BatchedDecodeParams params = make_ragged_params(s, plan, st, scale, softcap);
     void* buffers_bound[kBindings] = {};
     bind_inputs(s, buffers_bound, queries, nullptr, nullptr, valid_lens, kv_starts, sinks, out, &params);
     buffers_bound[kRequests] = const_cast<RaggedRequest*>(layout.table.data());
     unsigned long long bytes[kBindings] = {input_bytes[0], 0, 0, input_bytes[1], input_bytes[2], input_bytes[3]};
     bytes[kParams] = sizeof(params);
     bytes[kRequests] = layout.table.size() * sizeof(RaggedRequest);
+    bind_query_starts(buffers_bound, bytes, query_starts, query_starts_bytes);
     const bool vectors =
         ragged_vector_loads(s, plan, st, int64_t(reinterpret_cast<std::uintptr_t>(queries)), layout);
     const RaggedBinding binding{layout, buffers, buffer_bytes};
@@ -422,20 +447,21 @@ void mbd_emu_last_launch(MbdLaunch* out) {
   *out = last_launch;
 }
 
-/** library_name (ragged: ragged_library_name) of csrc/metal/kernel_library.h. */
-void mbd_emu_library_name(const char* source_hash, int dtype, int head_dim, int ragged, char out[128]) {
-  const std::string name = ragged ? ragged_library_name(source_hash, KernelDtype(dtype), head_dim)
-                                  : library_name(source_hash, KernelDtype(dtype), head_dim);
+/** library_name (ragged: ragged_library_name) of csrc/metal/kernel_library.h; value_dim 0: Dv = D. */
+void mbd_emu_library_name(const char* source_hash, int dtype, int head_dim, int value_dim, int ragged,
+                          char out[128]) {
+  const std::string name = ragged ? ragged_library_name(source_hash, KernelDtype(dtype), head_dim, value_dim)
+                                  : library_name(source_hash, KernelDtype(dtype), head_dim, value_dim);
   std::strncpy(out, name.c_str(), 127);
   out[127] = '\0';
 }
 
 /** library_source (ragged: ragged_library_source) of csrc/metal/kernel_library.h, written
  * to out when it fits (out_len bytes, the NUL included); returns its length. */
-long long mbd_emu_library_source(const char* source, int dtype, int head_dim, int ragged, char* out,
+long long mbd_emu_library_source(const char* source, int dtype, int head_dim, int value_dim, int ragged, char* out,
                                  long long out_len) {
-  const std::string text = ragged ? ragged_library_source(source, KernelDtype(dtype), head_dim)
-                                  : library_source(source, KernelDtype(dtype), head_dim);
+  const std::string text = ragged ? ragged_library_source(source, KernelDtype(dtype), head_dim, value_dim)
+                                  : library_source(source, KernelDtype(dtype), head_dim, value_dim);
   if (out_len > (long long)text.size()) {
     std::memcpy(out, text.c_str(), text.size() + 1);
   }

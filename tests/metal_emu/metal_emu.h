@@ -86,6 +86,7 @@ using metal::exp2;
 using metal::log;
 using metal::rsqrt;
 using metal::sqrt;
+using metal::tanh;
 } // namespace precise
 
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };

@@ -12,8 +12,8 @@ from .sources import kernel_sources
 # name: (original text, replacement)
 MUTATIONS = {
     "removed_threadgroup_barrier": (
-        "      threadgroup_barrier(mem_flags::mem_threadgroup);\n      // Output rows are",
-        "      // Output rows are",
+        "      threadgroup_barrier(mem_flags::mem_threadgroup);\n      const int64_t out_row = bda_out_row(",
+        "      const int64_t out_row = bda_out_row(",
     ),
     # (bound kept used: warnings fail the build.)
     "removed_length_clamp": (
@@ -66,6 +66,11 @@ MUTATIONS = {
     "removed_sink_term": (
         "l * f + exp(sink - m_all)",
         "l * f",
+    ),
+    # Scores never capped, whatever p.softcap says (softcap is never negative).
+    "softcap_dropped": (
+        "if (softcap > 0.0f) {\n            s = softcap * precise::tanh(s / softcap);",
+        "if (softcap < 0.0f) {\n            s = softcap * precise::tanh(s / softcap);",
     ),
     "key_past_causal_end": (
         "pos + 1};",
@@ -125,8 +130,8 @@ MUTATIONS = {
     ),
     # Every group serves requests 0 .. count - 1 (the parameter kept used: warnings fail the build).
     "ragged_group_offset_ignored": (
-        "group.first_request + int(tgid.z)",
-        "0 * group.first_request + int(tgid.z)",
+        "tgid, group.first_request, group.num_requests,",
+        "tgid, 0 * group.first_request, group.num_requests,",
     ),
     "ragged_request_offset_ignored": (
         "keys = slots.pick(r.k_slot) + r.k_offset + h * r.k_head_stride;",
@@ -148,6 +153,22 @@ MUTATIONS = {
         "t < p.seq_len - shift ? t + shift",
         "t <= p.seq_len - shift ? t + shift",
     ),
+    # Packed queries and values of their own head dim (tests/kernels/metal/test_metal_varlen_emulated.py):
+    # each request one row short, so its rows sit one position late (and its last is never written).
+    "packed_rows_one_position_late": (
+        "return BdaRows{first, query_starts[(b + 1) * p.query_starts_stride] - first};",
+        "return BdaRows{first, query_starts[(b + 1) * p.query_starts_stride] - first - 1};",
+    ),
+    # Value rows stepped by the keys' stride, which MLA's latent shares and values of their own do not.
+    "value_stride_of_the_keys": (
+        "int64_t(b) * p.v_batch_stride + int64_t(slot) * p.v_seq_stride}",
+        "int64_t(b) * p.v_batch_stride + int64_t(slot) * p.k_seq_stride}",
+    ),
+    # Values and output rows as wide as the keys (the driver reports writes past the output).
+    "value_dim_of_the_keys": (
+        "const int value_dim = GENERIC ? p.value_dim : DV;\n  const int nk",
+        "const int value_dim = GENERIC ? p.head_dim : D;\n  const int nk",
+    ),
     # Vector loads whatever the views' alignment (UBSan reports them, see test_metal_sanitizers).
     "vector_loads_whatever_the_alignment": (
         "constant bool bda_vector_loads [[function_constant(MBD_FC_VECTOR_LOADS)]];",
@@ -167,6 +188,11 @@ RAGGED_ONLY = {"ragged_length_unclamped", "ragged_values_in_the_keys_slot", "rag
 # Mutations of the ring (dense layout with ring offsets), run on ring cases
 # (tests/kernels/metal/test_metal_ring_emulated.py).
 RING_ONLY = {"ring_modulo_dropped", "ring_modulo_of_t_plus_1", "ring_wrap_off_by_one"}
+
+# Mutations of packed queries and of values' head dim, run on such cases
+# (tests/kernels/metal/test_metal_varlen_emulated.py); the value dim's only on single-pass
+# ones, whose writes past the output land in the driver's margins, not in the split-K partials.
+VARLEN_ONLY = {"packed_rows_one_position_late", "value_stride_of_the_keys", "value_dim_of_the_keys"}
 
 # Caught by the sanitizer builds only (tests/kernels/metal/test_metal_sanitizers.py): on x86 a
 # misaligned vector load reads the right bytes (UBSan), and a tile restaged early is a race

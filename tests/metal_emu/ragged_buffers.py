@@ -41,7 +41,8 @@ def root(view: np.ndarray) -> np.ndarray:
 
 def bind(views: list[np.ndarray], storage: type, nan_margins: bool, device_copy: Callable) -> BoundArrays:
     """Device copies of the buffers of ``views`` (request b's keys at b, its values at B + b,
-    each [1, H_kv, T_b, D] or [H_kv, T_b, D], last axis contiguous), one per buffer, made by
+    each [1, H_kv, T_b, D] or [H_kv, T_b, D], values of a width Dv of their own, last axis
+    contiguous), one per buffer, made by
     ``device_copy(buffer, nan_margins)`` (driver._device_copy)."""
     arrays = [v[0] if v.ndim == 4 else v for v in views]
     half = len(arrays) // 2
@@ -49,8 +50,10 @@ def bind(views: list[np.ndarray], storage: type, nan_margins: bool, device_copy:
         if a.ndim != 3 or a.dtype != storage or (a.size and a.strides[-1] != a.itemsize):
             raise ValueError(f"array {i}: expected [1, H_kv, T_b, D] or [H_kv, T_b, D] {storage.__name__} "
                              "with a contiguous last axis")
-        if a.shape != arrays[i % half].shape or a.shape[0] != arrays[0].shape[0]:
-            raise ValueError(f"array {i}: keys and values of a request share a shape, requests one H_kv")
+        if a.shape[:2] != arrays[i % half].shape[:2] or a.shape[0] != arrays[0].shape[0] or \
+                a.shape[2] != arrays[i // half * half].shape[2]:
+            raise ValueError(f"array {i}: keys and values of a request share H_kv and T_b, requests H_kv, all "
+                             "keys one D and all values one Dv")
     itemsize = np.dtype(storage).itemsize
     copies: dict[int, tuple] = {}
     for a in arrays:

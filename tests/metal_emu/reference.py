@@ -78,6 +78,16 @@ def query_starts_valid(query_starts, n: int) -> bool:
     return query_starts[0] == 0 and query_starts[-1] == n and bool(np.all(np.diff(query_starts) >= 0))
 
 
+def request_rows(queries, query_starts, requests: int) -> list[int]:
+    """The query rows of each of ``requests`` requests: L of queries [B, H_q, L, D], or q_b of packed
+    queries [N, H_q, D] (none at all for malformed query_starts)."""
+    if query_starts is None:
+        return [queries.shape[2]] * requests
+    if not query_starts_valid(query_starts, queries.shape[0]):
+        return [0] * requests
+    return [int(n) for n in np.diff(query_starts)]
+
+
 def packed_reference(request_reference, queries, query_starts, dv: int) -> np.ndarray:
     """Packed queries [N, H_q, D] (float64) with query_starts [B + 1]: the [N, H_q, Dv] output,
     each request's q_b rows an L = q_b call (``request_reference(b, q)`` maps request b's rows as

@@ -20,7 +20,7 @@ from .build import KERNEL_DIR, kernel_text
 HEADER = "batched_decode_attention.h"
 MSL_TYPES = {"float16": "half", "bfloat16": "bfloat", "float32": "float"}
 _KERNEL = re.compile(r"(ragged_decode_attention|quantized_batched_decode_attention|batched_decode_attention)_"
-                     r"(float16|bfloat16|float32)_(upto)?(\d+)(?:_(\d)bit)?")
+                     r"(float16|bfloat16|float32)_(upto)?(\d+)(?:_v(\d+))?(?:_(\d)bit)?")
 
 
 def instantiations(kernel: str) -> list[str]:
@@ -28,13 +28,15 @@ def instantiations(kernel: str) -> list[str]:
     the dense main kernel for a ragged or quantized one, as ``ragged_kernel_instantiation`` and
     ``quantized_kernel_instantiation`` in kernel_library.h)."""
     match = _KERNEL.fullmatch(kernel)
-    if match is None or (match.group(1) == "quantized_batched_decode_attention") != (match.group(5) is not None):
+    if match is None or (match.group(1) == "quantized_batched_decode_attention") != (match.group(6) is not None):
         raise ValueError(f"not a main kernel's host name: {kernel}")
-    family, dtype, generic, dim, bits = match.groups()
-    kind = "generic" if generic else "fast"
-    dense = f"instantiate_{kind}({dtype}, {MSL_TYPES[dtype]}, {dim})"
+    family, dtype, generic, dim, value_dim, bits = match.groups()
+    # A fast pair of head dims (D, Dv): instantiate_fast_pair(..., D, Dv).
+    kind = "generic" if generic else "fast_pair" if value_dim else "fast"
+    dims = f"{dim}, {value_dim}" if value_dim else dim
+    dense = f"instantiate_{kind}({dtype}, {MSL_TYPES[dtype]}, {dims})"
     if family == "ragged_decode_attention":
-        return [dense, f"instantiate_ragged_{kind}({dtype}, {MSL_TYPES[dtype]}, {dim})"]
+        return [dense, f"instantiate_ragged_{kind}({dtype}, {MSL_TYPES[dtype]}, {dims})"]
     if family == "quantized_batched_decode_attention":
         return [dense, f"instantiate_quantized_{kind}({dtype}, {MSL_TYPES[dtype]}, {dim}, {bits})"]
     return [dense]

@@ -226,6 +226,21 @@ def test_non_finite_scores_as_the_reference(t, sink):
     assert np.isfinite(expected[2]).all()
 
 
+@pytest.mark.parametrize("t", [48, 3000], ids=["single_pass", "split_k"])
+@pytest.mark.parametrize("d", [64, 100, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softcap(dtype, d, t):
+    """Scores capped at 5 (queries scaled up so that most pass it) with GQA, L = 3, kv_starts, a
+    window and sinks; the uncapped reference lies far outside the tolerance."""
+    q, k, v, n, opts = inputs(2, 2, 4, t, d, dtype, [t, t // 3], rows=3, starts=[3, 0], window=t // 2, sinks=True,
+                              seed=d)
+    q = q * 4
+    got = check(q, k, v, n, softcap=5.0, **opts)
+    f32 = [x.astype(mx.float32) for x in (q, k, v)]
+    uncapped = np.array(mbd.reference_attention(*f32, n, stream=mx.cpu, **opts))
+    assert np.abs(got - uncapped).max() > 10 * TOLERANCE[dtype]
+
+
 def test_metal_backend():
     assert mbd.metal_backend() in ("metallib", "source")
 

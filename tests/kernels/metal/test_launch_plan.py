@@ -197,7 +197,10 @@ def test_launcher_uses_the_plan():
     assert "make_ragged_launch_plan(shape, limits)" in source and "ragged_group_grid(plan, " in source
     assert "ragged_vector_loads(shape, provisional, strides, offsets.q, ragged->layout)" in source
     assert "make_ragged_layout(keys, values, lengths, rows.H_kv," in ops
-    assert "make_params(" in source
+    # The softcap reaches the kernels' params from the op's attributes, in every layout.
+    assert "make_params(shape, plan, strides, scale, softcap, paged)" in source
+    assert "make_ragged_params(shape, plan, strides, scale, softcap)" in source
+    assert "at.scale, at.softcap," in ops
     assert "{&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS}" in source
     assert "{&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}" in source
     assert "vector_loads(shape, provisional, strides, offsets, paged)" in source

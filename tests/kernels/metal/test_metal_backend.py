@@ -41,6 +41,6 @@ def test_eval_gpu_takes_the_choice():
     source = (REPO / "csrc" / "metal" / "decode_launch.cpp").read_text()
     assert "switch (metal_backend())" in source
     assert "d.get_library(kMetallibName, module_dir())" in source
-    assert "d.get_library(name, mx::CompileOptions{}, [&] { return kernel_source(dtype, head_dim, bits, ragged); })" \
-        in source
-    assert ": library_source(metal_source(), dtype, head_dim)" in source
+    assert ("d.get_library(name, mx::CompileOptions{}, [&] { return kernel_source(dtype, head_dim, value_dim, bits, "
+            "ragged); })") in source
+    assert ": library_source(metal_source(), dtype, head_dim, value_dim)" in source

@@ -49,7 +49,7 @@ def test_metal_build_matches_mlx_host_api(source):
     "original,broken,diagnostic",
     [("encoder.add_temporary(p);", "encoder.add_temporaries_of(p);", "add_temporaries_of"),
      # The run-time compile: get_library(name, CompileOptions, builder) of mlx 0.32.x, the builder giving a string.
-     ("{ return kernel_source(dtype, head_dim, bits, ragged); }", "{ return 0; }", "get_library"),
+     ("{ return kernel_source(dtype, head_dim, value_dim, bits, ragged); }", "{ return 0; }", "get_library"),
      # Ragged groups after the first register their outputs without rebinding them.
      ("encoder.register_output_array(out);", "encoder.register_output(out);", "register_output"),
      # The dense kernel's ring offsets, an input array at their own index.

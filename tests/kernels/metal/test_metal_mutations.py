@@ -17,7 +17,8 @@ import pytest
 from tests.metal_emu.build import CACHE, build_library
 from tests.metal_emu.cases import make_case
 from tests.metal_emu.driver import EmulatedLibrary, HarnessError
-from tests.metal_emu.mutants import MUTATIONS, PAGED_ONLY, RAGGED_ONLY, RING_ONLY, SANITIZER_ONLY, mutant_source
+from tests.metal_emu.mutants import (MUTATIONS, PAGED_ONLY, RAGGED_ONLY, RING_ONLY, SANITIZER_ONLY, VARLEN_ONLY,
+                                     mutant_source)
 from tests.metal_emu.reference import TOLERANCE, to_float64
 from tests.metal_emu.sources import HEADER
 
@@ -26,7 +27,8 @@ from tests.metal_emu.sources import HEADER
 # the keys without one. Lengths above T catch an unclamped length. The
 # non-finite cases (see with_minus_inf_keys) score -inf on request 0's every
 # key and on the first keys each simdgroup and split of request 1 takes;
-# request 2 has no key.
+# request 2 has no key. The softcap cases score well past their cap of 5
+# (queries scaled by 4 / sqrt(D)), so that capping changes every row.
 CASES = {
     "single_pass": dict(t=40, h_kv=2, lens=[40, 3, 0, 45], rows=3, starts=[-3, 1, 0, 2], sinks=True),
     "single_pass_window": dict(t=40, h_kv=2, lens=[40, 17, 0, 45], rows=3, window=9, sinks=True),
@@ -34,6 +36,10 @@ CASES = {
     "split_k_window": dict(t=230, h_kv=1, lens=[230, 199, 250], rows=2, window=150, sinks=True),
     "single_pass_minus_inf": dict(t=40, h_kv=2, lens=[5, 40, 0], rows=3),
     "split_k_minus_inf": dict(t=230, h_kv=1, lens=[9, 230, 0], rows=2),
+    "single_pass_softcap": dict(t=40, h_kv=2, lens=[40, 17, 0, 45], rows=3, starts=[-3, 1, 0, 2], window=9,
+                                sinks=True, scale=0.5, softcap=5.0),
+    "split_k_softcap": dict(t=230, h_kv=1, lens=[230, 199, 250], rows=2, window=150, sinks=True, scale=0.5,
+                            softcap=5.0),
 }
 # The one kernel all cases run, and all a mutant instantiates.
 KERNEL = "batched_decode_attention_float32_64"
@@ -52,6 +58,7 @@ CAUGHT_BY = {
     "tile_read_before_it_is_staged": {"single_pass", "single_pass_window", "single_pass_minus_inf"},
     "chunks_merged_across_simdgroup_sets": {"single_pass", "single_pass_window", "single_pass_minus_inf"},
     "group_keys_of_the_first_position": set(CASES),
+    "softcap_dropped": {"single_pass_softcap", "split_k_softcap"},
 }
 
 
@@ -102,7 +109,8 @@ def test_unmutated_kernel_passes_the_same_cases():
         assert np.isnan(cases(lib)[name].reference()[0]).all()
 
 
-@pytest.mark.parametrize("name", sorted(set(MUTATIONS) - SANITIZER_ONLY - PAGED_ONLY - RAGGED_ONLY - RING_ONLY))
+@pytest.mark.parametrize("name", sorted(set(MUTATIONS) - SANITIZER_ONLY - PAGED_ONLY - RAGGED_ONLY - RING_ONLY -
+                                         VARLEN_ONLY))
 def test_mutant_fails_the_harness(name):
     lib = EmulatedLibrary(build_library(mutant_source(name, [KERNEL])))
     verdicts = {case: verdict(lib, c) for case, c in cases(lib).items()}

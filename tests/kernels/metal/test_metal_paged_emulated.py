@@ -28,9 +28,11 @@ def lib() -> EmulatedLibrary:
     return EmulatedLibrary(build_library())
 
 
-def paged_case(dtype, d, g, rows, block_size, window, seed, lengths=LENGTHS, tables=None, nb=None):
+def paged_case(dtype, d, g, rows, block_size, window, seed, lengths=LENGTHS, tables=None, nb=None, sinks=None,
+               softcap=None, scale=None):
     """Storage arrays: queries, NaN-poisoned pools (views into wider buffers), tables, and
-    the float64 reference of the clean pools."""
+    the float64 reference of the clean pools (with sinks float32 [H_q] and softcap, when given;
+    scale None: 1 / sqrt(D))."""
     rng = np.random.default_rng(seed)
     if tables is None:
         tables, nb = paged_tables(block_size, seed)
@@ -40,7 +42,8 @@ def paged_case(dtype, d, g, rows, block_size, window, seed, lengths=LENGTHS, tab
     v = to_dtype(rng.standard_normal((nb, block_size, H_KV, d + 8)), dtype)[..., :d]
     expected = paged_reference_attention(
         to_float64(q, dtype), to_float64(k, dtype), to_float64(v, dtype), tables, np.asarray(lengths),
-        1 / np.sqrt(d), window)
+        1 / np.sqrt(d) if scale is None else scale, window, None if sinks is None else sinks.astype(np.float64),
+        softcap)
     unread = ~read_rows(tables, lengths, nb, block_size, rows, window)
     k, v = k.copy(), v.copy()
     k[unread] = to_dtype(np.full(d, np.nan), dtype)
@@ -48,8 +51,9 @@ def paged_case(dtype, d, g, rows, block_size, window, seed, lengths=LENGTHS, tab
     return q, k, v, np.ascontiguousarray(tables, dtype=np.int32), np.asarray(lengths, np.int32), expected
 
 
-def run(lib, dtype, q, k, v, tables, lens, window=None):
-    return lib.paged_attention(q, k, v, tables, lens, dtype, 1 / np.sqrt(q.shape[-1]), window=window)
+def run(lib, dtype, q, k, v, tables, lens, window=None, sinks=None, softcap=None, scale=None):
+    return lib.paged_attention(q, k, v, tables, lens, dtype, 1 / np.sqrt(q.shape[-1]) if scale is None else scale,
+                               window=window, sinks=sinks, softcap=softcap)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

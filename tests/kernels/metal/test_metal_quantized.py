@@ -53,8 +53,11 @@ def scale_storage(x: np.ndarray, dtype: str) -> np.ndarray:
     return to_dtype(x.astype(np.float32), dtype)
 
 
-def quantized_case(seed, dtype, scales_dtype, d, group_size, bits, g, rows, path, starts, window, sinks):
+def quantized_case(seed, dtype, scales_dtype, d, group_size, bits, g, rows, path, starts, window, sinks,
+                   softcap=None, scale=None):
+    """The call's arguments (``run``'s case) and its float64 output; scale None: 1 / sqrt(D)."""
     spec = PATHS[path]
+    scale = d ** -0.5 if scale is None else scale
     rng = np.random.default_rng(seed)
     t, h_kv, lens = spec["t"], spec["h_kv"], spec["lens"]
     b = len(lens)
@@ -83,16 +86,16 @@ def quantized_case(seed, dtype, scales_dtype, d, group_size, bits, g, rows, path
     lens_np = np.array(lens, dtype=np.int32)
     starts_np = None if starts is None else np.array(starts, dtype=np.int32)
     want = reference_attention(to_float64(queries, dtype), dequantized[0][:, :, :t], dequantized[1][:, :, :t],
-                               lens_np, d ** -0.5, starts_np, window,
-                               None if sink_values is None else sink_values.astype(np.float64))
+                               lens_np, scale, starts_np, window,
+                               None if sink_values is None else sink_values.astype(np.float64), softcap)
     return dict(queries=queries, keys=triples[0], values=triples[1], valid_lens=lens_np, kv_starts=starts_np,
-                window=window, sinks=sink_values), want
+                window=window, sinks=sink_values, scale=scale, softcap=softcap), want
 
 
-def run(lib, case, dtype, scales_dtype, d, group_size, bits):
+def run(lib, case, dtype, scales_dtype, group_size, bits):
     return lib.quantized_attention(case["queries"], case["keys"], case["values"], case["valid_lens"], dtype,
-                                   d ** -0.5, bits, group_size, scales_dtype, kv_starts=case["kv_starts"],
-                                   window=case["window"], sinks=case["sinks"])
+                                   case["scale"], bits, group_size, scales_dtype, kv_starts=case["kv_starts"],
+                                   window=case["window"], sinks=case["sinks"], softcap=case["softcap"])
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -107,7 +110,7 @@ def test_matches_float64(lib, dtype, d, group_size, bits, path):
     g, rows = [(1, 1), (4, 1), (2, 3), (3, 2), (4, 3)][n % 5]
     case, want = quantized_case(n, dtype, scales_dtype, d, group_size, bits, g, rows, path,
                                 starts=n % 2 == 0, window=n % 3 != 1, sinks=n % 5 < 3)
-    out = to_float64(run(lib, case, dtype, scales_dtype, d, group_size, bits), dtype)
+    out = to_float64(run(lib, case, dtype, scales_dtype, group_size, bits), dtype)
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -125,5 +128,5 @@ def test_mutations_are_caught(name):
     text = kernel_sources(CACHE / "mutants" / f"quantized_{name}", None, MUTATIONS[name])
     mutant = EmulatedLibrary(build_library(instantiations([(128, 64)]) + text))
     case, want = quantized_case(1, "float32", "float32", 128, 64, 8, 2, 1, "single_pass", True, False, False)
-    out = to_float64(run(mutant, case, "float32", "float32", 128, 64, 8), "float32")
+    out = to_float64(run(mutant, case, "float32", "float32", 64, 8), "float32")
     assert not np.allclose(out, want, atol=TOLERANCE["float32"], rtol=TOLERANCE["float32"])

@@ -179,11 +179,15 @@ def test_loads_follow_every_request(lib, row_pad, vectors):
 
 def test_kernel_binds_the_plans_indices():
     """The kernel's [[buffer(i)]] are the launch plan's: the dense inputs but keys and values,
-    the table, the group, then the slots."""
+    the table, the group, the slots, then query_starts (as the reduce's last)."""
     defines = dict(re.findall(r"#define (MBD_RAGGED_\w+) (\d+)",
                               (KERNEL_DIR / "ragged_decode_attention_params.h").read_text()))
+    query_starts = int(re.search(r"#define MBD_QUERY_STARTS (\d+)",
+                                 (KERNEL_DIR / "batched_decode_attention_params.h").read_text()).group(1))
     slot0, slots = int(defines["MBD_RAGGED_SLOT0"]), int(defines["MBD_RAGGED_SLOTS"])
     indices = kernel_buffer_indices(kernel_text())
     assert indices["ragged_decode_attention"] == [0, *range(3, 11), int(defines["MBD_RAGGED_REQUESTS"]),
-                                                  int(defines["MBD_RAGGED_GROUP"]), *range(slot0, slot0 + slots)]
-    assert slot0 + slots <= 31 and indices["batched_decode_attention_reduce"][-1] == 11
+                                                  int(defines["MBD_RAGGED_GROUP"]), *range(slot0, slot0 + slots),
+                                                  query_starts]
+    assert slot0 + slots <= query_starts < 31
+    assert indices["batched_decode_attention_reduce"][-2:] == [11, query_starts]

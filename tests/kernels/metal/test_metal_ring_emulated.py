@@ -90,10 +90,12 @@ def assert_path(case, path: str):
 
 
 def test_dense_kernel_binds_the_ring_at_its_index():
-    """The dense kernel's last [[buffer(i)]] is MBD_RING_OFFSETS, which the launchers bind."""
-    index = int(re.search(r"#define MBD_RING_OFFSETS (\d+)",
-                          (KERNEL_DIR / "batched_decode_attention_params.h").read_text()).group(1))
-    assert kernel_buffer_indices(kernel_text())["batched_decode_attention"] == [*range(11), index]
+    """The dense kernel's [[buffer(i)]] end with MBD_RING_OFFSETS, which the launchers bind, then
+    MBD_QUERY_STARTS."""
+    params = (KERNEL_DIR / "batched_decode_attention_params.h").read_text()
+    index, query_starts = (int(re.search(rf"#define {name} (\d+)", params).group(1))
+                           for name in ("MBD_RING_OFFSETS", "MBD_QUERY_STARTS"))
+    assert kernel_buffer_indices(kernel_text())["batched_decode_attention"] == [*range(11), index, query_starts]
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))

@@ -37,11 +37,14 @@ def kernels() -> tuple[str, ...]:
     """The main kernels the launch plan picks for every case of check_cases (ragged ones for its
     ragged cases)."""
     lib = EmulatedLibrary(build_library())
-    dense = {lib.plan(len(c["lens"]), c["h_kv"] * c["g"], c["h_kv"], c["t"], c["d"], c["dtype"],
-                      rows=c.get("rows", 1), window=c.get("window"))["kernel"]
-             for cases in CASE_SETS.values() for c in cases}
-    ragged = {lib.plan(len(c["lengths"]), c["h_kv"] * c["g"], c["h_kv"], max(c["lengths"]), c["d"], c["dtype"],
-                       rows=c.get("rows", 1), window=c.get("window"))["kernel"].replace("batched_", "ragged_")
+
+    def plan(c: dict, b: int, t: int) -> dict:
+        rows = sum(c["query_rows"]) if "query_rows" in c else c.get("rows", 1)
+        return lib.plan(b, c["h_kv"] * c["g"], c["h_kv"], t, c["d"], c["dtype"], rows=rows, window=c.get("window"),
+                        dv=c.get("dv"), packed="query_rows" in c)
+
+    dense = {plan(c, len(c["lens"]), c["t"])["kernel"] for cases in CASE_SETS.values() for c in cases}
+    ragged = {plan(c, len(c["lengths"]), max(c["lengths"]))["kernel"].replace("batched_", "ragged_")
               for cases in RAGGED_CASE_SETS.values() for c in cases}
     return tuple(sorted(dense | ragged))
 
@@ -74,6 +77,16 @@ def test_clamped_positions_stay_in_bounds():
                            "--cases", "adversarial", "--no-nan-margins", "--poison-unread")
     assert result.returncode == 0 and "ERROR: AddressSanitizer" not in result.stderr, result.stderr[-3000:]
     assert result.stdout.count("ok ") == len(CASE_SETS["adversarial"])
+
+
+def test_packed_rows_stay_in_bounds():
+    """Packed queries with lengths, starts and rows far outside their ranges, MLA's latent, and
+    malformed query_starts (zeros, not one K/V read: every position poisoned), in allocations
+    ending at the views: no report, and each case right."""
+    result = run_sanitized("address", build_library(subset_source(kernels()), sanitize="address"),
+                           "--cases", "packed_adversarial", "--no-nan-margins", "--poison-unread")
+    assert result.returncode == 0 and not [r for r in REPORTS if r in result.stderr], result.stderr[-3000:]
+    assert result.stdout.count("ok ") == len(CASE_SETS["packed_adversarial"])
 
 
 def test_ragged_requests_stay_in_their_buffers():

@@ -46,6 +46,20 @@ def planned(lib) -> dict[tuple[str, int], tuple[str, str]]:
     return out
 
 
+# (D, Dv) of values narrower than keys: the fast pairs, and the generic kernel of keys past 512.
+HEAD_DIM_PAIRS = [(192, 128), (576, 512), (520, 64), (576, 100)]
+
+
+@pytest.fixture(scope="module")
+def planned_pairs(lib) -> dict[tuple[str, int, int], tuple[str, str]]:
+    """(dtype, D, Dv) -> the main and reduce kernels the launch plan picks for HEAD_DIM_PAIRS."""
+    out = {}
+    for dtype, (d, dv) in itertools.product(DTYPES, HEAD_DIM_PAIRS):
+        plan = lib.plan(1, 1, 1, 4096, d, dtype, dv=dv)
+        out[dtype, d, dv] = (plan["kernel"], plan["reduce_kernel"])
+    return out
+
+
 def host_names(source: str, tmp_path: Path) -> set[str]:
     """The ``[[host_name]]``s of a Metal source once preprocessed (g++ -E, with an
     empty <metal_stdlib> as the only header there is)."""
@@ -67,15 +81,18 @@ def test_source_is_ascii_and_self_contained():
     assert "mlx/backend/metal" not in text
 
 
-def test_source_instantiates_every_planned_kernel(planned, tmp_path):
+def test_source_instantiates_every_planned_kernel(planned, planned_pairs, tmp_path):
     names = host_names(mbd.metal_source(), tmp_path)
     quantized = {n for n in names if n.startswith("quantized_")}
     ragged = {n for n in names if n.startswith("ragged_")}
-    assert names - quantized - ragged == {name for pair in planned.values() for name in pair}
-    assert len(names - quantized - ragged) == 2 * 3 * 15
+    plans = [*planned.values(), *planned_pairs.values()]
+    assert names - quantized - ragged == {name for pair in plans for name in pair}
+    # 15 kernels of D = Dv, 2 fast pairs and the generic kernel of keys up to 576.
+    assert len(names - quantized - ragged) == 2 * 3 * 18
+    assert {main.removeprefix("batched_decode_attention_float16_") for main, _ in planned_pairs.values()} >= {
+        "192_v128", "576_v512", "upto576"}
     # The ragged main kernel of every dense one (csrc/metal/ragged_launch_plan.h's ragged_kernel_name).
-    assert ragged == {main.replace("batched_decode_attention_", "ragged_decode_attention_")
-                      for main, _ in planned.values()}
+    assert ragged == {main.replace("batched_decode_attention_", "ragged_decode_attention_") for main, _ in plans}
     # The quantized main kernels of every head dim a group size divides (multiples of 32),
     # named as csrc/metal/quantized_launch_plan.h's quantized_kernel_name; their reduce is the dense one.
     fast = {32, 64, 96, 128, 160, 192, 256, 512}
@@ -111,6 +128,20 @@ def test_run_time_libraries_hold_the_planned_pair(lib, planned, tmp_path):
         assert name == f"mlx_batched_decode_{digest}_{kernel.removeprefix('batched_decode_attention_')}"
         names.add(name)
     assert len(names) == 3 * 15
+
+
+def test_run_time_libraries_of_head_dim_pairs(lib, planned_pairs, tmp_path):
+    """The run-time library of (dtype, D, Dv), dense and ragged, holds the planned kernels."""
+    text = mbd.metal_source()
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    for (dtype, d, dv), (kernel, reduce) in planned_pairs.items():
+        source = lib.library_source(text, dtype, d, dv=dv)
+        assert source == library_source(text, [kernel])
+        assert host_names(source, tmp_path) == {kernel, reduce}
+        ragged = kernel.replace("batched_decode_attention_", "ragged_decode_attention_")
+        assert host_names(lib.library_source(text, dtype, d, ragged=True, dv=dv), tmp_path) == {ragged, kernel, reduce}
+        suffix = kernel.removeprefix("batched_decode_attention_")
+        assert lib.library_name(digest, dtype, d, dv=dv) == f"mlx_batched_decode_{digest}_{suffix}"
 
 
 def test_ragged_run_time_libraries(lib, planned, tmp_path):

@@ -179,7 +179,6 @@ def quantized(case: Case) -> Prepared:
 def ragged(case: Case) -> Prepared:
     """One buffer per request, read through a view of its first T_b positions (T_b at or past
     the request's length); one request passes a 3-d array [H_kv, T_b, D]."""
-    b = len(case.lens)
     t = max(case.lens) + 8
     queries, keys, values, options, mask = _draw(case, t)
     keys, values = _unread_to_nan(keys, mask), _unread_to_nan(values, mask)
