@@ -229,10 +229,11 @@ struct DecodeArgs {
 
 // Online-softmax state of the R query rows of one (request, KV head) over a
 // range of keys: running max m, running sum l and the unnormalised
-// accumulator acc [rows, Dvp] (the values' padded head dim), all float32, stored back to back in one float
-// buffer. Rows are allocated in whole groups of 16, so that the AMX path
-// reads and writes whole tiles (rows past R are scratch), and so that each
-// state and its acc start on a cache line where the buffer does.
+// accumulator acc [rows, Dvp] (the values' padded head dim), all float32,
+// stored back to back in one float buffer. Rows are allocated in whole
+// groups of 16, so that the AMX path reads and writes whole tiles (rows past
+// R are scratch), and so that each state and its acc start on a cache line
+// where the buffer does.
 struct PartialState {
   float* m;
   float* l;

@@ -291,3 +291,15 @@ def test_malformed_shapes_raise(kernel_calls):
     with pytest.raises(ValueError, match=r"query_starts must have an integer dtype"):
         mbd.batched_decode_attention(q, k, v, lens, query_starts=qs.astype(mx.float32))
     assert kernel_calls() == 0
+
+
+def test_vmap_over_stacked_steps():
+    # Three serving steps of one shape at once: vmap runs the fallback, request by request.
+    q = mx.random.normal((3, 5, 4, 32), key=mx.random.key(1))
+    k = mx.random.normal((3, 2, 2, 9, 32), key=mx.random.key(2))
+    v = mx.random.normal((3, 2, 2, 9, 32), key=mx.random.key(3))
+    lens, qs = mx.array([9, 4]), mx.array([0, 3, 5])
+    out = mx.vmap(lambda q, k, v: mbd.batched_decode_attention(q, k, v, lens, query_starts=qs))(q, k, v)
+    assert out.shape == (3, 5, 4, 32)
+    for i in range(3):
+        assert max_abs_error(out[i], packed_expected(q[i], k[i], v[i], [9, 4], [3, 2])) < 2e-5
