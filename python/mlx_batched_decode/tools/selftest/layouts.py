@@ -25,8 +25,8 @@ from .cases import Case, row_counts, value_dim
 
 @dataclass
 class Truth:
-    """What the reference attends: float32 queries [B, H_q, L, D], keys and values
-    [B, H_kv, T, D], int32 lengths [B], and the keyword options of the call."""
+    """What the reference attends: float32 queries [B, H_q, L, D] (packed rows: [N, H_q, D]), keys
+    [B, H_kv, T, D] and values [B, H_kv, T, Dv], int32 lengths [B], and the keyword options of the call."""
 
     queries: mx.array
     keys: mx.array
