@@ -334,7 +334,7 @@ void run_decode(const DecodeArgs& args) {
   if (args.query_starts && !args.packed_rows_valid()) {
     // Rows no request (or two) would own: the whole output is zeros instead.
     const size_t bytes = args.dtype == Dtype::float32 ? 4 : 2;
-    std::memset(args.out, 0, static_cast<size_t>(args.L) * args.H_q * args.D * bytes);
+    std::memset(args.out, 0, static_cast<size_t>(args.L) * args.H_q * args.Dv * bytes);
     return;
   }
   auto call = plan(args);

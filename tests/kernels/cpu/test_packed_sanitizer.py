@@ -3,7 +3,7 @@
 tests/kernels/cpu/asan/packed_kernel_driver.cpp runs the kernel (its baseline build) on 300 random
 calls with packed queries of 0 to 37 rows per request, keys and values of head dims of their own,
 adversarial lengths and starts, a softcap in every other call, and query_starts that are malformed
-in every sixth call, all in exact-size allocations, so that any access outside them is reported;
+in every third call, all in exact-size allocations, so that any access outside them is reported;
 each output is compared with a float64 reference, and malformed starts must give zeros. Mutants of
 the kernel (starts unchecked, rows one position late, softcap dropped, values read as wide as the
 keys) must each be caught.
