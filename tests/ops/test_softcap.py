@@ -15,6 +15,7 @@ from tests.ops import test_paged_decode as paged
 from tests.ops import test_quantized_attention as quantized
 from tests.ops import test_ragged_decode as ragged
 from tests.ops.test_decode_shapes import LENGTHS, options, shape_case
+from tests.support.cpu_isa import isa  # noqa: F401  a fixture
 from tests.support.numerics import DTYPES, TOLERANCE, dtype_id, make_inputs, max_abs_error, numpy_reference
 
 CAP = 1.5
@@ -31,14 +32,6 @@ def check(out, capped, uncapped, dtype):
     assert err < TOLERANCE[dtype], err
     # The cap matters in this case: a kernel that ignored it would miss the tolerance.
     assert np.max(np.abs(capped - uncapped)) > 3 * TOLERANCE[dtype]
-
-
-@pytest.fixture(params=_ext.cpu_isas())
-def cpu_variant(request):
-    previous = _ext.cpu_isa()
-    _ext.set_cpu_isa(request.param)
-    yield request.param
-    _ext.set_cpu_isa(previous)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -59,7 +52,7 @@ def test_dense_matches_float64(dtype, D, G, L, kernel_calls):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_every_cpu_variant(cpu_variant, dtype):
+def test_every_cpu_variant(isa, dtype):
     starts, window, sinks = options(4)[4]
     q, k, v, k_nan, v_nan = shape_case(dtype, 128, 4, 3, window, starts, seed=11)
     q = louder(q)
@@ -67,7 +60,7 @@ def test_every_cpu_variant(cpu_variant, dtype):
         q, k_nan, v_nan, mx.array(LENGTHS), kv_starts=mx.array(starts), window=window, sinks=sinks, softcap=CAP
     )
     mx.eval(out)
-    assert _ext.cpu_isa() == cpu_variant
+    assert _ext.cpu_isa() == isa
     kw = dict(kv_starts=starts, window=window, sinks=sinks)
     check(out, numpy_reference(q, k, v, LENGTHS, softcap=CAP, **kw), numpy_reference(q, k, v, LENGTHS, **kw), dtype)
 

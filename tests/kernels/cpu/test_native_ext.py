@@ -10,15 +10,8 @@ import numpy as np
 import pytest
 
 from mlx_batched_decode import _ext
+from tests.support.cpu_isa import isa  # noqa: F401  a fixture
 from tests.support.numerics import DTYPES, TOLERANCE, dtype_id, make_inputs, max_abs_error, numpy_reference
-
-
-@pytest.fixture(params=_ext.cpu_isas())
-def isa(request):
-    previous = _ext.cpu_isa()
-    _ext.set_cpu_isa(request.param)
-    yield request.param
-    _ext.set_cpu_isa(previous)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
