@@ -61,6 +61,19 @@ using VectorLanes = Lanes8;
 constexpr int kScoreRows = 2;
 #endif
 
+// A block whose keys reach at least kWideRows query rows (a prefill chunk's)
+// runs, in the AVX2 variant, as two small GEMMs: the keys widened and
+// transposed once (transpose_keys) and scored 6 rows x 16 keys at a time
+// (dot_keys_major), the values weighted 6 rows at a time. Decode rows (G * L
+// of a few) keep the tiles above, which read each key row in place. Not on
+// SSE, whose 16 registers hold half the accumulators of a 6-row tile.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kKeysMajor = true;
+#else
+constexpr bool kKeysMajor = false;
+#endif
+constexpr int kWideRows = 48;
+
 // Blocks of 16-bit keys and values run on AMX tiles in a build compiled for
 // them (see amx_tiles.h), when the AMX variant is selected and a work item
 // has enough query rows (DecodeArgs::tiles_for). float32 keeps the vector path.
@@ -88,6 +101,7 @@ struct Scratch {
   LineVector<KeyRange> ranges;
   LineVector<KeyRange> spans;
   LineVector<T> block;
+  LineVector<float> keys_t;
 
   void reserve(int R, int L, int Dp) {
     grow(q, static_cast<size_t>(R) * Dp);
@@ -100,6 +114,9 @@ struct Scratch {
     grow(ranges, static_cast<size_t>(L));
     grow(spans, static_cast<size_t>(R) + 1);
     grow(block, static_cast<size_t>(kBlock) * Dp);
+    if constexpr (kKeysMajor) {
+      grow(keys_t, static_cast<size_t>(kBlock) * Dp);
+    }
   }
 
   template <typename V>
@@ -309,17 +326,23 @@ Lookahead successor_rows(const DecodeArgs& a, const int64_t* stride, const Chunk
   return {offset, std::min(kBlock, next->t1 - next->t0)};
 }
 
-// Covers query rows [r, R) with tiles of up to MaxH (4 or 2) rows: calls
+// Covers query rows [r, R) with tiles of up to MaxH (6, 4 or 2) rows: calls
 // tile.template operator()<H>(r) for as many tiles of MaxH as fit, then one
-// of 2 and one of 1 as the rest needs. Only the first tile of a block
-// requests the next rows, since all tiles read the same rows.
+// of 4, one of 2 and one of 1 as the rest needs. Only the first tile of a
+// block requests the next rows, since all tiles read the same rows.
 template <int MaxH, typename Tile>
 inline void for_row_tiles(int r, int R, Tile&& tile) {
-  static_assert(MaxH == 2 || MaxH == 4);
+  static_assert(MaxH == 2 || MaxH == 4 || MaxH == 6);
   for (; r + MaxH <= R; r += MaxH) {
     tile.template operator()<MaxH>(r);
   }
-  if constexpr (MaxH == 4) {
+  if constexpr (MaxH == 6) {
+    if (r + 4 <= R) {
+      tile.template operator()<4>(r);
+      r += 4;
+    }
+  }
+  if constexpr (MaxH >= 4) {
     if (r + 2 <= R) {
       tile.template operator()<2>(r);
       r += 2;
@@ -963,6 +986,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
       // triangle costs half the square. The quantized loops take all rows.
       KeyRange* spans = s.spans.data();
       int n_spans = 0;
+      int span_rows = 0;
       if (reached == lines || Bits != 0) {
         spans[n_spans++] = {0, R};
       } else {
@@ -984,13 +1008,30 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
           }
         }
       }
+      for (int sp = 0; sp < n_spans; ++sp) {
+        span_rows += spans[sp].hi - spans[sp].lo;
+      }
+      const bool wide = span_rows >= kWideRows;
       // Each key row is read once and scored against the rows it reaches, two at
-      // a time (four with the bfloat16 dot product).
+      // a time (four with the bfloat16 dot product), or keys-major (wide).
       if constexpr (Bits != 0) {
         score_quantized_block<Bits, D, kScoresOnIntegers<T>>(a, qs, c.b, c.h, t, n, t1, scores, quantized);
       } else {
         const int first_row = n_spans > 0 ? spans[0].lo : 0;
-        for (int j = 0; j < n; j += 4) {
+        if constexpr (kKeysMajor) {
+          if (wide) {
+            float* kt = s.keys_t.data();
+            transpose_keys<D, kBlock>(rows, n, Dp, kt, k_next);
+            for (int sp = 0; sp < n_spans; ++sp) {
+              for_row_tiles<6>(spans[sp].lo, spans[sp].hi, [&]<int H>(int r) {
+                for (int j = 0; j < n; j += 16) {
+                  dot_keys_major<D, H>(qs + r * Dp, kt + j, kBlock, scores + r * kBlock + j, kBlock, Dp);
+                }
+              });
+            }
+          }
+        }
+        for (int j = 0; j < n && !(kKeysMajor && wide); j += 4) {
           const Lookahead ahead{k_next.offset, k_next.rows - j, k_next.offsets ? k_next.offsets + j : nullptr};
           for (int sp = 0; sp < n_spans; ++sp) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -1049,15 +1090,25 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
           v_next = pass_next(1, 0, t, n);
         }
       }
+      // Tiles of 6 rows where the keys-major scores ran (wide), else of 4.
+      auto value_tiles = [&](int lo, int hi, auto&& tile) {
+        if constexpr (kKeysMajor) {
+          if (wide) {
+            for_row_tiles<6>(lo, hi, tile);
+            return;
+          }
+        }
+        for_row_tiles<4>(lo, hi, tile);
+      };
       for (int sp = 0; sp < n_spans; ++sp) {
         if (masked) {
-          for_row_tiles<4>(spans[sp].lo, spans[sp].hi, [&]<int H>(int r) {
+          value_tiles(spans[sp].lo, spans[sp].hi, [&]<int H>(int r) {
             accumulate_rows<VectorLanes, D, H, true>(st.acc + r * Dvp, alpha + r, scores + r * kBlock, kBlock, rows,
                                                      n, Dvp, masks + r);
           });
           continue;
         }
-        for_row_tiles<4>(spans[sp].lo, spans[sp].hi, [&]<int H>(int r) {
+        value_tiles(spans[sp].lo, spans[sp].hi, [&]<int H>(int r) {
           accumulate_rows<VectorLanes, D, H, false>(st.acc + r * Dvp, alpha + r, scores + r * kBlock, kBlock, rows, n,
                                                     Dvp, nullptr, r == spans[0].lo ? v_next : Lookahead{});
         });

@@ -4,6 +4,7 @@
 // bfloat16 and widened in registers.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cpu/lanes.h"
@@ -100,15 +101,66 @@ inline void dot_4_rows(const Q* q, const T* const* rows, float* out, int out_str
   }
 }
 
+// A block's key rows of T widened to float32 and transposed, keys as lanes:
+// kt[i * kBlockKeys + j] = rows[j][i] for i < Dn (D, or `dim` for the generic
+// kernel), j < n; keys n .. kBlockKeys - 1 are zeros. Built once per block for
+// the keys-major scores below, it serves every query row tile of the block.
+// The block's successor rows are requested here, a line per row and line.
+template <int D, int kBlockKeys, typename T>
+inline void transpose_keys(const T* const* rows, int n, int dim, float* kt, Lookahead ahead) {
+  const int Dn = D ? D : dim;
+  for (int j = 0; j < kBlockKeys; ++j) {
+    const T* next = j < n ? successor(rows[j], j, ahead) : nullptr;
+    for (int i = 0; i < Dn; i += 8) {
+      if (i % kLineElements<T> == 0) {
+        prefetch_line(next, i);
+      }
+      const f32x8 v = j < n ? load8(rows[j] + i) : f32x8{};
+      for (int e = 0; e < 8; ++e) {
+        kt[(i + e) * kBlockKeys + j] = v[e];
+      }
+    }
+  }
+}
+
+// Scores of a tile of H query rows (float32, scaled, Dn apart) against 16 keys
+// of a transposed block (kt at their first column, kt_stride floats per
+// dimension), on 8 lanes: out[h * out_stride + c] = dot(q + h * Dn, key c).
+// Each dimension takes two key vectors and H broadcast query elements into 2H
+// accumulators: at H = 6, 12 FMAs per 8 loads in 15 of the 16 registers, the
+// blocking of a GEMM micro-kernel, with no horizontal sum at the end.
+template <int D, int H>
+inline void dot_keys_major(const float* q, const float* kt, int kt_stride, float* out, int out_stride, int dim) {
+  const int Dn = D ? D : dim;
+  f32x8 s[H][2];
+  for (int h = 0; h < H; ++h) {
+    s[h][0] = s[h][1] = f32x8{};
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < Dn; ++i) {
+    const f32x8 k0 = in_register(load8(kt + i * kt_stride)), k1 = in_register(load8(kt + i * kt_stride + 8));
+    for (int h = 0; h < H; ++h) {
+      const f32x8 qh = splat(q[h * Dn + i]);
+      s[h][0] += qh * k0;
+      s[h][1] += qh * k1;
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    store8(out + h * out_stride, s[h][0]);
+    store8(out + h * out_stride + 8, s[h][1]);
+  }
+}
+
 // Vectors of L per slice of accumulate_rows: as many as keep up to Lanes
-// accumulators busy for H rows (8 chains cover the FMA latency) and divide
-// the D / Lanes vectors. The generic kernel's padded dims are multiples of 16.
+// accumulators busy for H rows (8 chains cover the FMA latency), at least 2
+// (a tile of 6 rows on 8 lanes: 12 accumulators, 2 values, 1 weight), and
+// dividing the D / Lanes vectors. The generic kernel's padded dims are multiples of 16.
 template <int Lanes>
 constexpr int slice_vectors(int D, int H) {
   if (D == 0) {
     return 16 / Lanes;
   }
-  for (int w = Lanes / H; w > 1; --w) {
+  for (int w = std::max(Lanes / H, 2); w > 1; --w) {
     if ((D / Lanes) % w == 0) {
       return w;
     }

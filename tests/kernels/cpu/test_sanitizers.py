@@ -33,6 +33,8 @@ KERNEL_TESTS = [
     "tests/ops/test_quantized_attention.py",
     "tests/ops/test_ragged_decode.py",
     "tests/ops/test_ring_offset.py",
+    "tests/ops/test_query_starts.py",
+    "tests/ops/test_value_head_dim.py",
 ]
 
 
