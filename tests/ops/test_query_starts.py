@@ -128,6 +128,25 @@ def test_decode_rows_equal_the_unpacked_call():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("G", [1, 4])
+def test_ring_matches_float64(dtype, G, kernel_calls):
+    # Rings (ring_offset): logical position j of request b in slot (j + offset_b) mod T; offsets
+    # past T, negative and huge. Slots no row reads hold NaN keys and inf values.
+    offsets = [0, 13, -5, 2**40 + 3, 69, 140]
+    for n, opts in enumerate(option_sets(G, seed=G)):
+        q, k, v, k_nan, v_nan = packed_case(dtype, 64, G, ROWS, LENS, opts.get("kv_starts"), opts.get("window"),
+                                            seed=G * 11 + n)
+        slots = (np.arange(T)[None, :] + np.array(offsets, dtype=np.int64)[:, None]) % T  # [B, T]: logical -> slot
+        order = mx.array(np.argsort(slots, axis=1).astype(np.int32))[:, None, :, None]  # slot -> logical
+        k_ring, v_ring = (mx.take_along_axis(x, order, axis=2) for x in (k_nan, v_nan))
+        out = mbd.batched_decode_attention(q, k_ring, v_ring, mx.array(LENS), query_starts=mx.array(starts_of(ROWS)),
+                                           ring_offset=mx.array(offsets, dtype=mx.int64), **call_kw(opts))
+        err = max_abs_error(out, packed_expected(q, k, v, LENS, ROWS, **expected_kw(opts)))
+        assert err < TOLERANCE[dtype], (opts.keys(), err)
+    assert kernel_calls() == len(option_sets(G, 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_paged_matches_float64(dtype, block_size, kernel_calls):
     # Requests 1 and 2 share their first pages: packed rows differ per request, so no item is shared.
