@@ -48,12 +48,18 @@ request) against the tokens it yields.
 Both runs in a mode decode the same (scaled) target from the same state, so their greedy tokens
 must agree token for token.
 
+With ``--arrivals`` it replays requests arriving over time through ``BatchedDecoder`` instead,
+prompts prefilled (``arrivals.py``: a burst of long prompts beside decoding requests, a seeded
+trace of 32 requests, and prefill alone against mlx-lm's ``batch_generate``), on a 2-layer Llama
+of hidden 256 (``arrivals.CONFIG``; ``results/decode_arrivals.json``).
+
     python benchmarks/bench_decode.py            # B in {1, 8, 32}, contexts 256-4096 (minutes)
     python benchmarks/bench_decode.py --quick    # B in {1, 8}, contexts 256-1024, 4 tokens
     python benchmarks/bench_decode.py --batch-sizes 8 --contexts 512 2048   # one chosen case
     python benchmarks/bench_decode.py --batch-sizes 8 --contexts 512 2048 --kv-bits 8 4
     python benchmarks/bench_decode.py --speculative   # B in {1, 8}, contexts 256-1024, 16 tokens,
                                                       # k in {2, 4}, 1-layer draft, tail scale 0.05
+    python benchmarks/bench_decode.py --arrivals      # burst, trace, prefill (several minutes)
 """
 
 import argparse
@@ -72,6 +78,7 @@ from mlx_batched_decode import BatchedDecoder, _ext
 from mlx_batched_decode.tools.progress import ProgressBar
 from mlx_batched_decode.tools.random_model import random_model
 
+import arrivals
 from common import machine, print_table, save
 
 CONFIG = dict(
@@ -320,9 +327,14 @@ def main():
         "--tail-scale", type=float, default=0.05,
         help="scale of the target's output projections after the draft's layers (default 0.05)",
     )
+    arrivals_group = parser.add_argument_group("requests arriving over time")
+    arrivals_group.add_argument("--arrivals", action="store_true", help="replay the arrival scenarios")
+    arrivals_group.add_argument("--arrival-rate", type=float, default=0.5, help="the trace's requests/s (default 0.5)")
     args = parser.parse_args()
 
     mx.set_default_device(mx.cpu)
+    if args.arrivals:
+        return main_arrivals(args)
     short = args.quick or args.speculative
     batches = args.batch_sizes or ((1, 8) if short else (1, 8, 32))
     low, high = args.contexts or ((256, 1024) if short else (256, 4096))
@@ -388,6 +400,31 @@ def main():
     print("OK: every request's greedy tokens are identical across the three paths")
     if args.kv_bits:
         print("OK: the quantized paths' tokens equal mlx-lm's single-request decode at the same settings")
+    return 0
+
+
+def main_arrivals(args):
+    info = machine() | {"cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads()}
+    print(f"{info['cpu']}, {info['cores']} cores, kernel {info['cpu_isa']}")
+    print(f"model: {arrivals.CONFIG}, float32, random weights (seed {args.seed})")
+    model = random_model(arrivals.CONFIG, seed=args.seed)
+    warm = arrivals.prefill_trace(arrivals.CONFIG["vocab_size"], args.seed + 1, count=2, prompts=(100, 200))
+    arrivals.replay(BatchedDecoder(model), warm)
+    arrivals.mlx_lm_prefill(model, warm)
+    rows = arrivals.run_scenarios(lambda: BatchedDecoder(model), model, args.seed, args.arrival_rate)
+    print()
+    print_table(rows, [
+        ("scenario", "scenario", "{}"), ("requests", "requests", "{}"), ("seconds", "seconds", "{:.1f}"),
+        ("step_ms", "step ms", "{:.1f}"), ("largest_gap_s", "largest gap s", "{:.2f}"),
+        ("ttft_p50_s", "ttft p50 s", "{:.2f}"), ("ttft_p99_s", "ttft p99 s", "{:.2f}"),
+        ("itl_p50_s", "itl p50 s", "{:.3f}"), ("itl_p99_s", "itl p99 s", "{:.3f}"),
+        ("tok_s", "prompt tok/s", "{:.0f}"), ("peer_tok_s", "mlx-lm tok/s", "{:.0f}"),
+    ])
+    path = save(args.output or "decode_arrivals", {
+        "machine": info, "config": arrivals.CONFIG, "dtype": "float32", "arrival_rate": args.arrival_rate,
+        "rows": rows,
+    })
+    print(f"\nsaved {path}")
     return 0
 
 

@@ -1,0 +1,186 @@
+"""Requests arriving over time, for ``bench_decode.py --arrivals``: what a serving loop on
+``BatchedDecoder`` gives each request, measured from outside the decoder.
+
+A trace is a list of ``Arrival`` (time after the start, prompt, max_tokens). ``replay`` runs it in
+real time: before each step it adds every request that has arrived (``add_request``; a decoder
+that prefills there stalls the step), then steps and stamps each emitted token with the clock.
+From the stamps, per request: time to first token (first token - arrival) and the gaps between
+its tokens. With no request to step it sleeps until the next arrival.
+
+Scenarios (``main``), each on the same random-weight model:
+
+- ``burst``: 4 requests decode, then 4 prompts of 1,800 tokens arrive at once; the decoding
+  requests' largest gap between two tokens against the median step before the burst;
+- ``trace``: a seeded trace of 32 requests, prompts 64-2,048 tokens, outputs 16-256 tokens,
+  Poisson arrivals: total time, time to first token p50 / p99, inter-token p50 / p99;
+- ``prefill``: 8 prompts of 300-2,000 tokens arriving at once, one token each: prompt tokens/s,
+  against mlx-lm's ``batch_generate`` on the same prompts (it pads them into one batch).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Arrival:
+    at: float
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Replay:
+    """Clock stamps of one replayed trace, seconds from its start; requests in trace order."""
+
+    arrived: list[float]
+    tokens: list[list[float]] = field(default_factory=list)
+    steps: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each step
+    seconds: float = 0.0
+
+    def ttft(self) -> list[float]:
+        return [t[0] - a for a, t in zip(self.arrived, self.tokens) if t]
+
+    def gaps(self, requests=None) -> list[float]:
+        rows = self.tokens if requests is None else [self.tokens[i] for i in requests]
+        return [b - a for t in rows for a, b in zip(t, t[1:])]
+
+
+def replay(decoder, trace: list[Arrival], on_step=None) -> Replay:
+    """Runs ``trace`` through ``decoder`` in real time; ``on_step(replay)`` after each step."""
+    order = sorted(range(len(trace)), key=lambda i: trace[i].at)
+    out = Replay(arrived=[a.at for a in trace], tokens=[[] for _ in trace])
+    index: dict[int, int] = {}  # decoder uid -> trace index
+    start, pending = time.perf_counter(), 0
+    while pending < len(order) or decoder.num_active or decoder.num_waiting:
+        now = time.perf_counter() - start
+        while pending < len(order) and trace[order[pending]].at <= now:
+            i = order[pending]
+            index[decoder.add_request(trace[i].prompt, trace[i].max_tokens)] = i
+            pending += 1
+        if not (decoder.num_active or decoder.num_waiting):
+            time.sleep(max(0.0, trace[order[pending]].at - (time.perf_counter() - start)))
+            continue
+        begin = time.perf_counter() - start
+        result = decoder.step()
+        end = time.perf_counter() - start
+        out.steps.append((begin, end))
+        for uid, emitted in result.tokens.items():
+            out.tokens[index[uid]] += [end] * len(emitted)
+        if on_step is not None:
+            on_step(out)
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def percentile(values, q):
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def random_prompt(rng, n, vocab):
+    return [int(t) for t in rng.integers(0, vocab, n)]
+
+
+def burst_trace(vocab, at, seed=0, prompt=1800, decoding=4, arriving=4):
+    """``decoding`` requests of 64-token prompts from time 0, and ``arriving`` prompts of
+    ``prompt`` tokens at ``at`` seconds; the first ones decode 64 tokens past the burst, however
+    the decoder spreads its prefill over steps."""
+    rng = np.random.default_rng(seed)
+    early = [Arrival(0.0, random_prompt(rng, 64, vocab), 8 + 64 + prompt * arriving // 256) for _ in range(decoding)]
+    late = [Arrival(at, random_prompt(rng, prompt, vocab), 8) for _ in range(arriving)]
+    return early + late
+
+
+def seeded_trace(vocab, seed=0, count=32, prompts=(64, 2048), outputs=(16, 256), rate=0.5):
+    """``count`` requests with uniform prompt and output lengths, Poisson arrivals at ``rate``/s."""
+    rng = np.random.default_rng(seed)
+    at = np.cumsum(rng.exponential(1.0 / rate, count)) - 0.0
+    at[0] = 0.0
+    return [
+        Arrival(float(t), random_prompt(rng, int(rng.integers(prompts[0], prompts[1] + 1)), vocab),
+                int(rng.integers(outputs[0], outputs[1] + 1)))
+        for t in at
+    ]
+
+
+def prefill_trace(vocab, seed=0, count=8, prompts=(300, 2000)):
+    rng = np.random.default_rng(seed)
+    return [Arrival(0.0, random_prompt(rng, int(n), vocab), 1) for n in rng.integers(prompts[0], prompts[1] + 1, count)]
+
+
+CONFIG = dict(
+    model_type="llama",
+    hidden_size=256,
+    num_hidden_layers=2,
+    intermediate_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=32,
+    rms_norm_eps=1e-5,
+    vocab_size=1024,
+    tie_word_embeddings=False,
+)
+
+
+def mlx_lm_prefill(model, trace):
+    """Seconds mlx-lm's ``BatchGenerator`` takes to give every request of ``trace`` its one
+    token, all of them in one prefill batch (it pads the prompts to the longest)."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=len(trace), prefill_batch_size=len(trace))
+    start = time.perf_counter()
+    gen.insert([a.prompt for a in trace], [a.max_tokens for a in trace])
+    answered = 0
+    while answered < len(trace):
+        answered += len(gen.next_generated())
+    seconds = time.perf_counter() - start
+    gen.close()
+    return seconds
+
+
+def run_scenarios(decoder_factory, model, seed=0, rate=0.5, stream=None):
+    """The three scenarios' rows (dicts) on decoders from ``decoder_factory()``."""
+    import sys
+
+    stream = stream or sys.stderr
+    vocab = CONFIG["vocab_size"]
+    rows = []
+
+    # The first requests alone, to place the burst about 8 steps after their first token.
+    early = [a for a in burst_trace(vocab, 0.0, seed) if a.at == 0.0 and len(a.prompt) == 64]
+    probe = replay(decoder_factory(), [Arrival(0.0, a.prompt, 16) for a in early])
+    step = float(np.median([b - a for a, b in probe.steps[1:]]))
+    trace = burst_trace(vocab, probe.steps[0][1] + 8 * step, seed)
+    burst = replay(decoder_factory(), trace)
+    before = [b - a for a, b in burst.steps if b < trace[-1].at]
+    largest = max(burst.gaps(range(4)))
+    rows.append({"scenario": "burst", "requests": len(trace), "seconds": burst.seconds,
+                 "step_ms": float(np.median(before)) * 1e3, "largest_gap_s": largest,
+                 "gap_over_step": largest / float(np.median(before))})
+    print(f"burst: largest gap of the decoding requests {largest:.2f} s, one step "
+          f"{np.median(before) * 1e3:.1f} ms", file=stream, flush=True)
+
+    trace = seeded_trace(vocab, seed, rate=rate)
+    run = replay(decoder_factory(), trace)
+    ttft, gaps = run.ttft(), run.gaps()
+    rows.append({"scenario": "trace", "requests": len(trace), "seconds": run.seconds,
+                 "prompt_tokens": sum(len(a.prompt) for a in trace),
+                 "generated": sum(len(t) for t in run.tokens), "ttft_p50_s": percentile(ttft, 50),
+                 "ttft_p99_s": percentile(ttft, 99), "itl_p50_s": percentile(gaps, 50),
+                 "itl_p99_s": percentile(gaps, 99)})
+    print(f"trace: {run.seconds:.1f} s, ttft p50 {percentile(ttft, 50):.2f} s, inter-token p99 "
+          f"{percentile(gaps, 99):.3f} s", file=stream, flush=True)
+
+    trace = prefill_trace(vocab, seed)
+    tokens = sum(len(a.prompt) for a in trace)
+    run = replay(decoder_factory(), trace)
+    peer = mlx_lm_prefill(model, trace)
+    rows.append({"scenario": "prefill", "requests": len(trace), "seconds": run.seconds, "prompt_tokens": tokens,
+                 "tok_s": tokens / run.seconds, "peer_s": peer, "peer_tok_s": tokens / peer,
+                 "speedup": peer / run.seconds})
+    print(f"prefill: {tokens / run.seconds:.0f} prompt tok/s, mlx-lm batch_generate {tokens / peer:.0f}",
+          file=stream, flush=True)
+    return rows
