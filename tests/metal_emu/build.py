@@ -40,8 +40,8 @@ BASE_FLAGS = ["-std=c++20", "-fPIC", "-Wall", "-Wextra", "-Werror", "-Wno-attrib
 HOST = REPO / "csrc"
 
 
-def _includes(host: Path) -> list[str]:
-    return [f"-I{HARNESS}", f"-I{HARNESS / 'include'}", f"-I{host}"]
+def _includes(host: Path, harness: Path = HARNESS) -> list[str]:
+    return [f"-I{harness}", f"-I{harness / 'include'}", f"-I{host}"]
 
 
 @dataclass(frozen=True)
@@ -83,22 +83,34 @@ HOST_HEADERS = ["metal/launch_plan.h", "metal/kernel_library.h", "metal/quantize
                 "kernels/batched_decode_attention_params.h"]
 
 
-def _harness_files(host: Path) -> list[Path]:
-    return sorted([*HARNESS.glob("*.h"), *HARNESS.glob("*.cpp"), HARNESS / "include" / "metal_stdlib",
+def _harness_files(host: Path, harness: Path = HARNESS) -> list[Path]:
+    return sorted([*harness.glob("*.h"), *harness.glob("*.cpp"), *(harness / "include").iterdir(),
                    *(host / name for name in HOST_HEADERS)])
 
 
-def _compile(flags: list[str], source: Path, obj: Path, host: Path) -> None:
+def _compile(flags: list[str], source: Path, obj: Path, host: Path, harness: Path = HARNESS) -> None:
     """Compiles ``source`` to ``obj``, atomically: a concurrent build sees all or nothing."""
     partial = obj.with_name(f".{obj.name}.{os.getpid()}")
-    cmd = ["nice", CXX, *flags, *_includes(host), "-c", str(source), "-o", str(partial)]
+    cmd = ["nice", CXX, *flags, *_includes(host, harness), "-c", str(source), "-o", str(partial)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise BuildError(f"{' '.join(cmd)}\n{result.stderr}")
     os.replace(partial, obj)
 
 
-def build_library(source: Path | str = KERNEL_DIR, sanitize: str | None = None, host: Path = HOST) -> Path:
+def mutant_harness(directory: Path, header: str, original: str, replacement: str) -> Path:
+    """A copy of the harness headers in ``directory`` (replaced if there) with ``original``
+    replaced by ``replacement`` exactly once in ``header``: a mutant of the harness's model."""
+    shutil.rmtree(directory, ignore_errors=True)
+    shutil.copytree(HARNESS, directory, ignore=shutil.ignore_patterns("*.py", "__pycache__", "strict"))
+    text = (directory / header).read_text()
+    assert text.count(original) == 1, f"{original!r} no longer matches {header} exactly once"
+    (directory / header).write_text(text.replace(original, replacement))
+    return directory
+
+
+def build_library(source: Path | str = KERNEL_DIR, sanitize: str | None = None, host: Path = HOST,
+                  harness: Path = HARNESS) -> Path:
     """Path of the shared library running ``source`` on the CPU: a .metal file or
     a directory of them (flattened first, see ``kernel_text``), or an already
     flattened Metal text.
@@ -107,22 +119,27 @@ def build_library(source: Path | str = KERNEL_DIR, sanitize: str | None = None, 
     (ThreadSanitizer) or "loads" (counts the bytes the kernels load, see
     ``EmulatedLibrary.loads``). ``host``: the directory of the host headers
     (HOST_HEADERS: the launch plan), csrc/ or a copy with a mutant of the plan.
+    ``harness``: the directory of the headers the kernel is compiled with, this
+    one or a ``mutant_harness`` (the runtime objects always come from this one).
     """
     text = kernel_text(source) if isinstance(source, Path) else source
     translated = prepass(text)
     variant = VARIANTS[sanitize]
     flags = BASE_FLAGS + list(variant.flags)
     version = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
-    harness = hashlib.sha256()
-    for part in [" ".join([*flags, *variant.kernel_flags, *variant.sources]), version] + [
-            f.read_text() for f in _harness_files(host)]:
-        harness.update(part.encode())
-    target = CACHE / hashlib.sha256((harness.hexdigest() + translated).encode()).hexdigest()[:24] / "libmetal_emu.so"
+    hashes = []
+    for directory in (HARNESS, harness):
+        digest = hashlib.sha256()
+        for part in [" ".join([*flags, *variant.kernel_flags, *variant.sources]), version] + [
+                f.read_text() for f in _harness_files(host, directory)]:
+            digest.update(part.encode())
+        hashes.append(digest.hexdigest())
+    target = CACHE / hashlib.sha256("".join([*hashes, translated]).encode()).hexdigest()[:24] / "libmetal_emu.so"
     if target.exists():
         return target
 
     # The runtime and launcher objects depend on the flags only: every kernel shares them.
-    shared = CACHE / "harness" / harness.hexdigest()[:24]
+    shared = CACHE / "harness" / hashes[0][:24]
     shared.mkdir(parents=True, exist_ok=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=target.parent))
@@ -132,9 +149,10 @@ def build_library(source: Path | str = KERNEL_DIR, sanitize: str | None = None, 
         objects = [(kernel_cpp, work / "kernel.o")] + [
             (HARNESS / name, shared / f"{Path(name).stem}.o")
             for name in ("runtime.cpp", "launcher.cpp", *variant.sources)]
-        jobs = [([*flags, *variant.kernel_flags], *objects[0])] + [(flags, *job) for job in objects[1:]]
+        jobs = [([*flags, *variant.kernel_flags], *objects[0], host, harness)] + [
+            (flags, *job, host) for job in objects[1:]]
         with ThreadPoolExecutor(max_workers=2) as pool:
-            list(pool.map(lambda job: _compile(*job, host), [job for job in jobs if not job[2].exists()]))
+            list(pool.map(lambda job: _compile(*job), [job for job in jobs if not job[2].exists()]))
         library = work / target.name
         link = ["nice", CXX, "-shared", *flags, *(str(obj) for _, obj in objects), "-o", str(library)]
         result = subprocess.run(link, capture_output=True, text=True)

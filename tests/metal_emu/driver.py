@@ -182,16 +182,17 @@ class EmulatedLibrary:
         self.counts_loads = hasattr(self._lib, "__asan_loadN_noabort")
 
     def dispatch(self, kernel: str, buffers: list[np.ndarray], grid: tuple, group: tuple,
-                 constants: dict[int, int] | None = None, backend: str = "fibers") -> None:
+                 constants: dict[int, int | bool] | None = None, backend: str = "fibers") -> None:
         """Runs any kernel of the library with ``buffers[i]`` bound at index i and
-        int function constants ``{index: value}``."""
+        function constants ``{index: value}`` (int, or bool for a ``constant bool``)."""
         pointers = (ctypes.c_void_p * len(buffers))(*(b.ctypes.data for b in buffers))
         constants = constants or {}
         indices = (ctypes.c_int * len(constants))(*constants.keys())
-        values = (ctypes.c_int * len(constants))(*constants.values())
+        values = (ctypes.c_int * len(constants))(*(int(v) for v in constants.values()))
+        is_bool = (ctypes.c_int * len(constants))(*(isinstance(v, bool) for v in constants.values()))
         error = ctypes.create_string_buffer(4096)
         if self._lib.mbd_emu_dispatch(kernel.encode(), pointers, len(buffers), (ctypes.c_uint * 3)(*grid),
-                                      (ctypes.c_uint * 3)(*group), BACKENDS[backend], indices, values,
+                                      (ctypes.c_uint * 3)(*group), BACKENDS[backend], indices, values, is_bool,
                                       len(constants), error, 4096):
             raise HarnessError(error.value.decode())
 

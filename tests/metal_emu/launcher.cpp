@@ -493,13 +493,17 @@ int mbd_emu_poison([[maybe_unused]] void* address, [[maybe_unused]] unsigned lon
 }
 
 /** Any registered kernel, with raw buffers bound at indices 0..count-1 and
- * int function constants values[i] at indices[i]. */
+ * function constants values[i] at indices[i]: an int, or a bool where is_bool[i]. */
 int mbd_emu_dispatch(const char* kernel, void* const* buffers, int count, const unsigned grid[3],
                      const unsigned group[3], int backend, const int* constant_indices,
-                     const int* constant_values, int constant_count, char* error, int error_len) {
+                     const int* constant_values, const int* is_bool, int constant_count, char* error,
+                     int error_len) {
   std::vector<emu::ConstantValue> constants;
+  std::vector<char> bools(constant_count);
   for (int i = 0; i < constant_count; ++i) {
-    constants.push_back({constant_indices[i], &constant_values[i], sizeof(int)});
+    bools[i] = constant_values[i] != 0;
+    constants.push_back(is_bool[i] ? emu::ConstantValue{constant_indices[i], &bools[i], sizeof(bool)}
+                                   : emu::ConstantValue{constant_indices[i], &constant_values[i], sizeof(int)});
   }
   const std::string problem = emu::dispatch(kernel, buffers, count, grid, group, emu::Backend(backend),
                                             constants.data(), constant_count);

@@ -4,6 +4,7 @@
 #pragma once
 
 // Every standard header first: the MSL keyword macros below would break them.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -12,6 +13,7 @@
 
 #include "emu_bfloat.h"
 #include "emu_runtime.h"
+#include "emu_type_traits.h"
 #include "emu_vec.h"
 
 // Address spaces and the kernel qualifier carry no meaning on the CPU.
@@ -30,6 +32,7 @@ namespace metal {
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
+typedef unsigned long ulong;
 typedef _Float16 half;
 
 #define EMU_VEC_TYPES(T, name) \
@@ -43,6 +46,7 @@ EMU_VEC_TYPES(int, int)
 EMU_VEC_TYPES(uint, uint)
 EMU_VEC_TYPES(short, short)
 EMU_VEC_TYPES(ushort, ushort)
+EMU_VEC_TYPES(ulong, ulong)
 #undef EMU_VEC_TYPES
 
 using std::numeric_limits;
@@ -151,6 +155,29 @@ EMU_SIMD_PERMUTE(simd_broadcast, a)
 #undef EMU_SIMD_PERMUTE
 
 } // namespace metal
+
+#include "emu_simdgroup_matrix.h"
+
+// MSL's scalar and vector types are global names (MLX's headers use them before any `using namespace metal`).
+using metal::bfloat;
+using metal::half;
+using metal::uchar;
+using metal::uint;
+using metal::ulong;
+using metal::ushort;
+#define EMU_GLOBAL_VEC_TYPES(name) \
+  using metal::name##2;            \
+  using metal::name##3;            \
+  using metal::name##4;
+EMU_GLOBAL_VEC_TYPES(float)
+EMU_GLOBAL_VEC_TYPES(half)
+EMU_GLOBAL_VEC_TYPES(bfloat)
+EMU_GLOBAL_VEC_TYPES(int)
+EMU_GLOBAL_VEC_TYPES(uint)
+EMU_GLOBAL_VEC_TYPES(short)
+EMU_GLOBAL_VEC_TYPES(ushort)
+EMU_GLOBAL_VEC_TYPES(ulong)
+#undef EMU_GLOBAL_VEC_TYPES
 
 namespace emu {
 

@@ -36,8 +36,11 @@ _TG_VAR = re.compile(r"^(\s*)threadgroup\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w
 _FUNCTION_CONSTANT = re.compile(
     r"^(\s*)constant\s+([\w:]+)\s+(\w+)\s*\[\[\s*function_constant\(([^)]+)\)\s*\]\]\s*;\s*$"
 )
-_KERNEL_DEF = re.compile(r"(?:\[\[\s*kernel\s*\]\]|\bkernel\b)\s*void\s+([A-Za-z_]\w*)\s*\(")
-_BUFFER = re.compile(r"\[\[\s*buffer\(\s*(\d+)\s*\)\s*\]\]")
+# `[[kernel]]`, `[[kernel, max_total_threads_per_threadgroup(n)]]` or `kernel`.
+_KERNEL_DEF = re.compile(r"(?:\[\[\s*kernel\b[^\]]*\]\]|\bkernel\b)\s*void\s+([A-Za-z_]\w*)\s*\(")
+# `[[buffer(i)]]`, or `[[buffer(i), function_constant(c)]]` for a buffer bound only when c is set.
+_BUFFER = re.compile(r"\[\[\s*buffer\(\s*(\d+)\s*\)\s*(?:,[^\]]*)?\]\]")
+_THREADGROUP_ATTRIBUTE = re.compile(r"\[\[\s*threadgroup\(\s*\d+\s*\)\s*\]\]")
 _WS = r"[\s\\]*"
 _INSTANTIATION = re.compile(
     r"template" + _WS + r"\[\[\s*host_name\((.*?)\)\s*\]\]" + _WS + r"\[\[\s*kernel\s*\]\]" + _WS
@@ -84,6 +87,22 @@ def _declaration(line: str) -> str:
     return line
 
 
+def _builtin_parameter(text: str, match: re.Match) -> str:
+    """The calling lane's value as default argument of a built-in parameter; where a later parameter
+    of the list has no attribute (so cannot take a default), nothing: the caller passes the value."""
+    depth, start, later = 0, match.end(), []
+    for i in range(match.end(), len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth < 0 or (depth == 0 and text[i] == ","):
+            later.append(text[start:i])
+            start = i + 1
+        if depth < 0:
+            break
+    if any("[[" not in parameter for parameter in later[1:]):
+        return ""
+    return f"[[maybe_unused]] = ::emu::builtins::{match.group(1)}()"
+
+
 def _registration(kernels: dict[str, list[int]], match: re.Match) -> str:
     host_name, function, declarator = match.group(1), match.group(2).strip(), match.group(3).strip()
     base = re.match(r"[A-Za-z_]\w*", function)
@@ -103,9 +122,12 @@ def _registration(kernels: dict[str, list[int]], match: re.Match) -> str:
 def prepass(source: str) -> str:
     """The C++ translation of the flattened Metal ``source``, ready for g++ with the harness headers."""
     text = "\n".join(_declaration(line) for line in source.splitlines()) + "\n"
-    if re.search(r"\[\[\s*threadgroup\(", text):
-        raise PrepassError("[[threadgroup(n)]] kernel parameters are not emulated")
-    text = _BUILTIN.sub(lambda m: f"[[maybe_unused]] = ::emu::builtins::{m.group(1)}()", text)
+    for match in _KERNEL_DEF.finditer(text):
+        if _THREADGROUP_ATTRIBUTE.search(text[match.end() - 1 : _closing_paren(text, match.end() - 1) + 1]):
+            raise PrepassError("[[threadgroup(n)]] kernel parameters are not emulated")
+    # On a helper function's parameter (MLX's steel GEMM) it only names memory the caller passes.
+    text = _THREADGROUP_ATTRIBUTE.sub("", text)
+    text = _BUILTIN.sub(lambda m: _builtin_parameter(text, m), text)
     kernels = kernel_buffer_indices(text)
     for name, indices in kernels.items():
         if indices != sorted(set(indices)):

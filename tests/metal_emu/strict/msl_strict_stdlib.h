@@ -67,6 +67,35 @@ constexpr mem_flags operator|(mem_flags a, mem_flags b) {
 void threadgroup_barrier(mem_flags);
 void simdgroup_barrier(mem_flags);
 
+// Simdgroup matrices (<metal_simdgroup_matrix>): 8x8 tiles, loaded from and stored to device or
+// threadgroup memory; multiply-accumulate takes tiles of different element types (MLX's steel does).
+template <typename T, int Cols, int Rows>
+struct simdgroup_matrix {
+  vec<T, 2>& thread_elements();
+  const vec<T, 2>& thread_elements() const;
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+template <typename T, int Cols = 8, int Rows = Cols>
+simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(const T value);
+#define MSL_SIMDGROUP_MATRIX_MEMORY(space)                                                              \
+  template <typename T, int Cols, int Rows>                                                             \
+  void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, const space T* src, ulong elements_per_row = Cols, \
+                      ulong2 matrix_origin = ulong2(0, 0), bool transpose_matrix = false);              \
+  template <typename T, int Cols, int Rows>                                                             \
+  void simdgroup_store(const simdgroup_matrix<T, Cols, Rows>& a, space T* dst, ulong elements_per_row = Cols, \
+                       ulong2 matrix_origin = ulong2(0, 0), bool transpose_matrix = false);
+MSL_SIMDGROUP_MATRIX_MEMORY(device)
+MSL_SIMDGROUP_MATRIX_MEMORY(threadgroup)
+#undef MSL_SIMDGROUP_MATRIX_MEMORY
+template <typename TD, typename TA, typename TB, typename TC, int Cols, int Rows>
+void simdgroup_multiply_accumulate(simdgroup_matrix<TD, Cols, Rows>& d, const simdgroup_matrix<TA, Cols, Rows>& a,
+                                   const simdgroup_matrix<TB, Cols, Rows>& b, const simdgroup_matrix<TC, Cols, Rows>& c);
+template <typename TD, typename TA, typename TB, int Cols, int Rows>
+void simdgroup_multiply(simdgroup_matrix<TD, Cols, Rows>& d, const simdgroup_matrix<TA, Cols, Rows>& a,
+                        const simdgroup_matrix<TB, Cols, Rows>& b);
+
 #undef MSL_SCALAR_AND_VECTORS
 #undef MSL_FLOATS
 #undef MSL_INTEGERS
