@@ -7,7 +7,7 @@ that prefills there stalls the step), then steps and stamps each emitted token w
 From the stamps, per request: time to first token (first token - arrival) and the gaps between
 its tokens. With no request to step it sleeps until the next arrival.
 
-Scenarios (``main``), each on the same random-weight model:
+Scenarios (``run_scenarios``), each on the same random-weight model:
 
 - ``burst``: 4 requests decode, then 4 prompts of 1,800 tokens arrive at once; the decoding
   requests' largest gap between two tokens against the median step before the burst;
@@ -19,6 +19,7 @@ Scenarios (``main``), each on the same random-weight model:
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -97,7 +98,7 @@ def burst_trace(vocab, at, seed=0, prompt=1800, decoding=4, arriving=4):
 def seeded_trace(vocab, seed=0, count=32, prompts=(64, 2048), outputs=(16, 256), rate=0.5):
     """``count`` requests with uniform prompt and output lengths, Poisson arrivals at ``rate``/s."""
     rng = np.random.default_rng(seed)
-    at = np.cumsum(rng.exponential(1.0 / rate, count)) - 0.0
+    at = np.cumsum(rng.exponential(1.0 / rate, count))
     at[0] = 0.0
     return [
         Arrival(float(t), random_prompt(rng, int(rng.integers(prompts[0], prompts[1] + 1)), vocab),
@@ -143,14 +144,12 @@ def mlx_lm_prefill(model, trace):
 
 def run_scenarios(decoder_factory, model, seed=0, rate=0.5, stream=None):
     """The three scenarios' rows (dicts) on decoders from ``decoder_factory()``."""
-    import sys
-
     stream = stream or sys.stderr
     vocab = CONFIG["vocab_size"]
     rows = []
 
     # The first requests alone, to place the burst about 8 steps after their first token.
-    early = [a for a in burst_trace(vocab, 0.0, seed) if a.at == 0.0 and len(a.prompt) == 64]
+    early = burst_trace(vocab, 0.0, seed, arriving=0)
     probe = replay(decoder_factory(), [Arrival(0.0, a.prompt, 16) for a in early])
     step = float(np.median([b - a for a, b in probe.steps[1:]]))
     trace = burst_trace(vocab, probe.steps[0][1] + 8 * step, seed)
