@@ -333,14 +333,14 @@ def main():
     args = parser.parse_args()
 
     mx.set_default_device(mx.cpu)
-    if args.arrivals:
-        return main_arrivals(args)
     short = args.quick or args.speculative
     batches = args.batch_sizes or ((1, 8) if short else (1, 8, 32))
     low, high = args.contexts or ((256, 1024) if short else (256, 4096))
     max_tokens = args.max_tokens or (16 if args.speculative else 4 if args.quick else 8)
     info = machine() | {"cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads()}
     print(f"{info['cpu']}, {info['cores']} cores, kernel {info['cpu_isa']}")
+    if args.arrivals:
+        return main_arrivals(args, info)
     print(f"model: {CONFIG}, float32, random weights (seed {args.seed})")
 
     # The B=b batch is the first b requests, so all batches share one set of contexts.
@@ -403,9 +403,7 @@ def main():
     return 0
 
 
-def main_arrivals(args):
-    info = machine() | {"cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads()}
-    print(f"{info['cpu']}, {info['cores']} cores, kernel {info['cpu_isa']}")
+def main_arrivals(args, info):
     print(f"model: {arrivals.CONFIG}, float32, random weights (seed {args.seed})")
     model = random_model(arrivals.CONFIG, seed=args.seed)
     warm = arrivals.prefill_trace(arrivals.CONFIG["vocab_size"], args.seed + 1, count=2, prompts=(100, 200))
