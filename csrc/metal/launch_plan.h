@@ -38,9 +38,14 @@ struct LaunchShape {
   bool has_query_starts = false; // packed queries (MBD_QUERY_STARTS)
 };
 
+/** Dv of head dims (D, value_dim): value_dim, or D where it is 0. */
+inline int value_head_dim(int head_dim, int value_dim) {
+  return value_dim > 0 ? value_dim : head_dim;
+}
+
 /** Dv of a shape. */
 inline int value_head_dim(const LaunchShape& s) {
-  return s.value_dim > 0 ? s.value_dim : s.head_dim;
+  return value_head_dim(s.head_dim, s.value_dim);
 }
 
 struct Size3 {
@@ -119,7 +124,7 @@ inline const char* dtype_name(KernelDtype dtype) {
 
 /** Whether (D, Dv) (value_dim 0: Dv = D) has a fast kernel: a fast head dim of both, or a fast pair. */
 inline bool is_fast_kernel(int head_dim, int value_dim = 0) {
-  const int dv = value_dim > 0 ? value_dim : head_dim;
+  const int dv = value_head_dim(head_dim, value_dim);
   if (dv == head_dim) {
     return is_fast_head_dim(head_dim);
   }
@@ -143,7 +148,7 @@ inline int vector_width(int head_dim, int value_dim = 0) {
   if (!is_fast_kernel(head_dim, value_dim)) {
     return 1;
   }
-  const int dv = value_dim > 0 ? value_dim : head_dim;
+  const int dv = value_head_dim(head_dim, value_dim);
   return head_dim % 128 == 0 && dv % 128 == 0 ? 4 : 2;
 }
 
