@@ -1,11 +1,12 @@
 """Requests arriving over time, for ``bench_decode.py --arrivals``: what a serving loop on
-``BatchedDecoder`` gives each request, measured from outside the decoder.
+``BatchedDecoder`` gives each request, read from the decoder's own per-request timing.
 
 A trace is a list of ``Arrival`` (time after the start, prompt, max_tokens). ``replay`` runs it in
 real time: before each step it adds every request that has arrived (``add_request``; a decoder
-that prefills there stalls the step), then steps and stamps each emitted token with the clock.
-From the stamps, per request: time to first token (first token - arrival) and the gaps between
-its tokens. With no request to step it sleeps until the next arrival.
+that prefills there stalls the step), then steps. Per request, from ``decoder.stats.requests``
+(``RequestTiming``): time to first token (its first token's step end - its arrival in the trace,
+so the wait for the loop to reach it counts) and the gaps between its tokens. With no request to
+step it sleeps until the next arrival.
 
 Scenarios (``run_scenarios``), each on the same random-weight model:
 
@@ -35,42 +36,45 @@ class Arrival:
 
 @dataclass
 class Replay:
-    """Clock stamps of one replayed trace, seconds from its start; requests in trace order."""
+    """One replayed trace: its start (``time.perf_counter()``), each request's arrival (seconds
+    from the start) and ``RequestTiming`` in trace order, and each step's (start, end) from the
+    start."""
 
+    start: float
     arrived: list[float]
-    tokens: list[list[float]] = field(default_factory=list)
-    steps: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each step
+    timings: list = field(default_factory=list)
+    steps: list[tuple[float, float]] = field(default_factory=list)
     seconds: float = 0.0
 
     def ttft(self) -> list[float]:
-        return [t[0] - a for a, t in zip(self.arrived, self.tokens) if t]
+        return [t.first_token - self.start - a for a, t in zip(self.arrived, self.timings) if t.first_token]
 
     def gaps(self, requests=None) -> list[float]:
-        rows = self.tokens if requests is None else [self.tokens[i] for i in requests]
-        return [b - a for t in rows for a, b in zip(t, t[1:])]
+        rows = self.timings if requests is None else [self.timings[i] for i in requests]
+        return [g for t in rows for g in t.gaps]
+
+    def generated(self) -> int:
+        return sum(t.tokens for t in self.timings)
 
 
 def replay(decoder, trace: list[Arrival]) -> Replay:
     """Runs ``trace`` through ``decoder`` in real time."""
     order = sorted(range(len(trace)), key=lambda i: trace[i].at)
-    out = Replay(arrived=[a.at for a in trace], tokens=[[] for _ in trace])
-    index: dict[int, int] = {}  # decoder uid -> trace index
     start, pending = time.perf_counter(), 0
+    out = Replay(start, arrived=[a.at for a in trace], timings=[None] * len(trace))
     while pending < len(order) or decoder.num_active or decoder.num_waiting:
         now = time.perf_counter() - start
         while pending < len(order) and trace[order[pending]].at <= now:
             i = order[pending]
-            index[decoder.add_request(trace[i].prompt, trace[i].max_tokens)] = i
+            uid = decoder.add_request(trace[i].prompt, trace[i].max_tokens)
+            out.timings[i] = decoder.stats.requests[uid]
             pending += 1
         if not (decoder.num_active or decoder.num_waiting):
             time.sleep(max(0.0, trace[order[pending]].at - (time.perf_counter() - start)))
             continue
         begin = time.perf_counter() - start
-        result = decoder.step()
-        end = time.perf_counter() - start
-        out.steps.append((begin, end))
-        for uid, emitted in result.tokens.items():
-            out.tokens[index[uid]] += [end] * len(emitted)
+        decoder.step()
+        out.steps.append((begin, time.perf_counter() - start))
     out.seconds = time.perf_counter() - start
     return out
 
@@ -164,7 +168,7 @@ def run_scenarios(decoder_factory, model, seed=0, rate=0.5, stream=None):
     ttft, gaps = run.ttft(), run.gaps()
     rows.append({"scenario": "trace", "requests": len(trace), "seconds": run.seconds,
                  "prompt_tokens": sum(len(a.prompt) for a in trace),
-                 "generated": sum(len(t) for t in run.tokens), "ttft_p50_s": percentile(ttft, 50),
+                 "generated": run.generated(), "ttft_p50_s": percentile(ttft, 50),
                  "ttft_p99_s": percentile(ttft, 99), "itl_p50_s": percentile(gaps, 50),
                  "itl_p99_s": percentile(gaps, 99)})
     print(f"trace: {run.seconds:.1f} s, ttft p50 {percentile(ttft, 50):.2f} s, inter-token p99 "

@@ -35,7 +35,7 @@ from .caches.paged_context import PagedDecodeContext
 from .caches.paged_kv_cache import PagedKVCache
 from .caches.quantized_kv_cache import QuantizedSlotKVCache
 from .caches.ring_kv_cache import RingSlotKVCache
-from .decoding.decode_stats import DecodeStats
+from .decoding.decode_stats import DecodeStats, RequestTiming
 from .decoding.decoder import BatchedDecoder, StepResult
 from .decoding.sampling import Sampler
 
@@ -52,6 +52,7 @@ __all__ += [
     "PagedKVCache",
     "QuantizedSlotAttention",
     "QuantizedSlotKVCache",
+    "RequestTiming",
     "RingSlotAttention",
     "RingSlotKVCache",
     "Sampler",

@@ -1,8 +1,43 @@
-"""``DecodeStats``: the prefill and decode work a ``BatchedDecoder`` has counted."""
+"""``DecodeStats``: the prefill and decode work a ``BatchedDecoder`` has counted, and when each
+request's tokens came out (``RequestTiming``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RequestTiming:
+    """When one request's tokens came out, in ``time.perf_counter()`` seconds.
+
+    ``arrived``: when ``add_request`` took it. ``first_token``: the end of the step that emitted
+    its first token (``None`` before). ``gaps``: seconds between consecutive steps that emitted
+    its tokens; a speculative round that emits several tokens counts as one. ``finished``: the
+    end of the step that finished it, or its ``cancel`` (``None`` while it is queued or runs).
+    """
+
+    arrived: float
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    finished: Optional[float] = None
+    cancelled: bool = False
+
+    @property
+    def time_to_first_token(self) -> Optional[float]:
+        """Seconds from ``add_request`` to the step that emitted the first token."""
+        return None if self.first_token is None else self.first_token - self.arrived
+
+    def emitted(self, count: int, now: float) -> None:
+        """``count`` tokens came out of the step that ended at ``now``."""
+        if self.first_token is None:
+            self.first_token = now
+        else:
+            self.gaps.append(now - self.last_token)
+        self.last_token = now
+        self.tokens += count
 
 
 @dataclass
@@ -16,6 +51,9 @@ class DecodeStats:
     ``kv_layout="paged"``, ``prefix_hit_tokens`` counts the prompt tokens (of ``prompt_tokens``)
     whose keys/values came from cached blocks instead of prefill, and ``blocks_in_use`` is the
     number of blocks requests hold now (0 with the slot layout).
+
+    ``requests`` maps each request id to its ``RequestTiming``, from ``add_request`` on. Entries
+    stay after a request finishes; a long-running caller pops those it has read.
     """
 
     prompt_tokens: int = 0
@@ -27,6 +65,7 @@ class DecodeStats:
     accepted_tokens: int = 0
     prefix_hit_tokens: int = 0
     blocks_in_use: int = 0
+    requests: dict[int, RequestTiming] = field(default_factory=dict)
 
     @property
     def decode_tokens_per_second(self) -> float:

@@ -10,7 +10,8 @@ request then moves into the freed row (slot), so the active requests always fill
 and the next request reuses the free one. With ``kv_layout="paged"`` the keys/values live in the
 blocks of a ``PagedKVCache`` instead (``paged_served_model.py``): nothing moves when a request
 leaves, requests whose prompts start alike share the cached blocks of that prefix, and a request
-the block budget cannot hold yet waits until others leave.
+the block budget cannot hold yet waits until others leave. ``cancel`` drops a queued or running
+request at once; ``stats.requests`` times each request's tokens (``RequestTiming``).
 
 Dimension legend: B = requests in the step, V = vocabulary size.
 """
@@ -28,7 +29,7 @@ import mlx.nn as nn
 from ..caches.paged_kv_cache import DEFAULT_POOL_LAYOUT, POOL_LAYOUTS, PagedKVCache
 from ..caches.quantized_kv_cache import check_quantization
 from ..tools.progress import ProgressBar
-from .decode_stats import DecodeStats
+from .decode_stats import DecodeStats, RequestTiming
 from .paged_served_model import PagedServedModel
 from .sampling import Sampler
 from .served_model import ServedModel, SlotCache
@@ -258,6 +259,7 @@ class BatchedDecoder:
         if max_tokens < 1:
             raise ValueError(f"[BatchedDecoder] max_tokens must be >= 1, got {max_tokens}")
         prompt = [int(t) for t in prompt]
+        arrived = time.perf_counter()
         request = _Request(
             uid=self._next_uid,
             max_tokens=max_tokens,
@@ -275,9 +277,11 @@ class BatchedDecoder:
                     f"[BatchedDecoder] a request of {len(prompt)} prompt tokens and max_tokens="
                     f"{max_tokens} needs {needed} blocks, more than max_kv_blocks={budget}"
                 )
+            self.stats.requests[request.uid] = RequestTiming(arrived)
             self._waiting.append((request, prompt[:-1]))
             self._admit_waiting()
             return request.uid
+        self.stats.requests[request.uid] = RequestTiming(arrived)
         start = time.perf_counter()
         for served in self._models():
             served.admit(len(self._active), prompt[:-1])
@@ -350,10 +354,34 @@ class BatchedDecoder:
             self._remove(row)
         if self._paged is not None:
             self.stats.blocks_in_use = self._paged.cache.blocks_in_use
+        end = time.perf_counter()
+        for uid, tokens in emitted.items():
+            self.stats.requests[uid].emitted(len(tokens), end)
+        for uid in finished:
+            self.stats.requests[uid].finished = end
         self.stats.steps += 1
         self.stats.generated_tokens += sum(len(t) for t in emitted.values())
-        self.stats.decode_seconds += time.perf_counter() - start
+        self.stats.decode_seconds += end - start
         return StepResult(emitted, finished)
+
+    def cancel(self, uid: int) -> bool:
+        """Drop request ``uid``, queued or running: its slot (or its blocks) is free at once and
+        it emits nothing more. Returns ``False`` when no such request is queued or running
+        (never added, finished or cancelled already)."""
+        timing = self.stats.requests.get(uid)
+        if timing is None or timing.finished is not None:
+            return False
+        row = next((i for i, r in enumerate(self._active) if r.uid == uid), None)
+        if row is not None:
+            self._remove(row)
+        else:
+            # Queued for the block budget: it holds nothing yet.
+            self._waiting = deque(w for w in self._waiting if w[0].uid != uid)
+        if self._paged is not None:
+            self.stats.blocks_in_use = self._paged.cache.blocks_in_use
+        timing.finished = time.perf_counter()
+        timing.cancelled = True
+        return True
 
     def _remove(self, row: int) -> None:
         last = len(self._active) - 1
