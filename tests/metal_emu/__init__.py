@@ -16,7 +16,9 @@ as C++20 by g++ and executed lane by lane:
   OS threads (for ThreadSanitizer); every collective is a rendezvous that
   reports, with ``.metal`` source lines, mismatched collectives, collectives
   reached by only some lanes and skipped barriers; threadgroup memory is
-  filled with NaN before each threadgroup;
+  filled with NaN before each threadgroup; in ThreadSanitizer builds the
+  vector types assign element by element (``emu_vec.h``), since g++ leaves
+  unchecked a call's vector result stored straight into memory;
 - ``launcher.cpp`` dispatches with ``csrc/metal/launch_plan.h`` (and the
   ragged groups of ``ragged_launch_plan.h``), the plan the Metal launcher
   uses, and in AddressSanitizer builds poisons memory (K/V

@@ -57,6 +57,16 @@ struct vec : vec_storage<T, N> {
     for (int i = 0; i < N; ++i) v[i] = T(o.v[i]);
   }
 
+#if defined(__SANITIZE_THREAD__)
+  // GCC's ThreadSanitizer does not check a call's aggregate result stored straight into
+  // memory (`shared[i] = a * b` with operator* not inlined); an assignment of its own does.
+  vec(const vec&) = default;
+  vec& operator=(const vec& o) {
+    for (int i = 0; i < N; ++i) v[i] = o.v[i];
+    return *this;
+  }
+#endif
+
   T& operator[](int i) { return v[i]; }
   const T& operator[](int i) const { return v[i]; }
 
