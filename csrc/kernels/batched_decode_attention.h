@@ -19,7 +19,8 @@
 // whose key ranges join into one interval, the only keys it reads, each once.
 // Each lane owns a slice of the D (and Dv) columns, so a K/V row is one vector
 // load per lane and serves every row of the chunk, each row masked to its own range. Softmax
-// state is float32.
+// state is float32. Packed queries of many rows take the tiled path instead
+// (bda_attend_tiles: simdgroup-matrix products over tiles of 32 rows), after the same prologue.
 //
 // Non-finite values follow the softmax of reference_attention: a NaN score
 // makes its row NaN, a -inf score weighs 0, and a row whose scores are all -inf
@@ -47,6 +48,8 @@ constant int bda_rows [[function_constant(MBD_FC_ROWS)]];
 // Whether every Q, K and V row starts on a multiple of the vector width (the
 // launch plan's vector_loads): whole vector loads, else scalar ones.
 constant bool bda_vector_loads [[function_constant(MBD_FC_VECTOR_LOADS)]];
+// Whether the launch takes the tiled path (the plan's tiled; kernels with bda_has_tiles only).
+constant bool bda_tiled [[function_constant(MBD_FC_TILED)]];
 
 constant float bda_inf = numeric_limits<float>::infinity();
 
@@ -297,6 +300,22 @@ inline int bda_row_request(const device int* query_starts, const constant Batche
   return lo;
 }
 
+// The keys a threadgroup's rows group_first .. group_end - 1 (of a request's
+// own.count x G, i then g) read: they cover consecutive i, whose key ranges
+// join into one interval (empty: lo >= hi).
+inline BdaRange bda_block_keys(BdaRequest request, BdaRows own, const constant BatchedDecodeParams& p,
+                               int group_first, int group_end) {
+  BdaRange keys = BdaRange{p.seq_len, 0};
+  for (int i = group_first / p.gqa_factor; i <= (group_end - 1) / p.gqa_factor; ++i) {
+    const BdaRange range = bda_row_keys(request.len, request.start, own.count, i, p.window);
+    if (range.lo < range.hi) {
+      keys.lo = min(keys.lo, range.lo);
+      keys.hi = max(keys.hi, range.hi);
+    }
+  }
+  return keys;
+}
+
 // Output row of row i of query head `head` of request b: [B, H_q, L] in
 // order, or, packed, [N, H_q] at its packed row; 64-bit, as rows x Dv may pass 2^31.
 inline int64_t bda_out_row(const constant BatchedDecodeParams& p, int b, BdaRows rows, int head, int i) {
@@ -489,6 +508,237 @@ struct BdaQuantizedRows {
   }
 };
 
+// Whether kernels of head dims (D, DV) have the tiled path: fast, D = DV, whole
+// 8 x 8 tiles, and staged blocks that fit threadgroup memory.
+template <int D, int DV, bool GENERIC>
+constexpr bool bda_has_tiles() {
+  return !GENERIC && D == DV && D % 8 == 0 && D <= MBD_TILE_MAX_DIM;
+}
+
+// Row and first column of a lane's two elements of an 8 x 8 simdgroup matrix
+// (the second one column right): the layout MLX's steel kernels rely on.
+struct BdaTileCoord {
+  int row;
+  int col;
+};
+inline BdaTileCoord bda_tile_coord(uint lane) {
+  const int quad = int(lane) / 4;
+  return BdaTileCoord{(quad & 4) + (int(lane) / 2) % 4, (quad & 2) * 2 + (int(lane) % 2) * 2};
+}
+
+// A row's reduction over the four lanes holding its 8 columns (lanes ^1 and ^8).
+inline float bda_tile_row_max(float x) {
+  x = max(x, simd_shuffle_xor(x, ushort(1)));
+  return max(x, simd_shuffle_xor(x, ushort(8)));
+}
+inline float bda_tile_row_sum(float x) {
+  x += simd_shuffle_xor(x, ushort(1));
+  return x + simd_shuffle_xor(x, ushort(8));
+}
+
+// V floats into threadgroup memory.
+inline void bda_put(threadgroup float* x, float v) {
+  x[0] = v;
+}
+inline void bda_put(threadgroup float* x, float2 v) {
+  x[0] = v.x;
+  x[1] = v.y;
+}
+inline void bda_put(threadgroup float* x, float4 v) {
+  x[0] = v.x;
+  x[1] = v.y;
+  x[2] = v.z;
+  x[3] = v.w;
+}
+
+// The tiled path (bda_tiled: packed queries of many rows). The threadgroup's
+// MBD_TILE_SIMDGROUPS simdgroups hold its MBD_TILE_ROWS rows (i, then g; rows
+// group_first on, of one request and KV head), 8 each: simdgroup sg the rows
+// of an 8 x D query tile. Blocks of MBD_TILE_BLOCK keys of the rows' joint
+// interval are staged as float32 in threadgroup memory, each K/V row read once
+// for all rows; a simdgroup skips an 8-key block outside its rows' keys. Per
+// 8-key block: S = Q K^T and O += P V by 8 x 8 multiply-accumulate, the online
+// softmax in float32 on S's elements (thread_elements: each lane holds two
+// columns of one row), each score masked to its row's range as bda_attend does.
+// A non-finite value of a key inside the interval but outside a row's range
+// meets that row's zero weight in P V (0 x inf): the row is NaN where the
+// vector path leaves it finite. Single pass: the plan never splits it.
+template <typename T, int D, typename Rows>
+inline void bda_attend_tiles(
+    const device T* queries,
+    Rows kv,
+    const device int* kv_starts,
+    const device float* sinks,
+    const device int* ring_offsets,
+    device T* out,
+    constant BatchedDecodeParams& p,
+    int b,
+    BdaRows own,
+    BdaRequest request,
+    int kv_head,
+    int group_first,
+    uint sg,
+    uint lane) {
+  constexpr int KB = MBD_TILE_BLOCK;
+  constexpr int ND = D / 8;
+  constexpr int V = bda_vector_width<D, D, false>();
+  constexpr int NV = D / V;
+  constexpr int THREADS = MBD_TILE_SIMDGROUPS * MBD_SIMD_WIDTH;
+  static_assert(KB % 8 == 0 && 2 * KB >= MBD_TILE_ROWS, "whole 8-key blocks; the query tile fits the staging");
+  static_assert((2 * KB * D + KB) * 4 + MBD_MAX_SIMDGROUPS * (D + 2 * MBD_MAX_ROWS) * 4 + MBD_TILE_KEYS * 4 <= 32768,
+                "the staged blocks and bda_attend's own threadgroup memory fit 32 KB");
+  typedef typename bda_vec<float, V>::type floatv;
+  const int tid = int(sg) * MBD_SIMD_WIDTH + int(lane);
+  const int G = p.gqa_factor;
+  const int total_rows = G * own.count;
+  const int group_end = min(total_rows, group_first + MBD_TILE_ROWS);
+  const BdaRange keys = bda_block_keys(request, own, p, group_first, group_end);
+
+  // This lane's row of its S and O tiles (one layout for all).
+  const BdaTileCoord at = bda_tile_coord(lane);
+  const int f = group_first + int(sg) * 8 + at.row;
+  const bool mine = f < total_rows;
+  const int row_i = f / G;
+  const int head = kv_head * G + f % G;
+  const BdaRange range =
+      mine ? bda_row_keys(request.len, request.start, own.count, row_i, p.window) : BdaRange{0, 0};
+  // The simdgroup's keys: uniform bounds for skipping a block.
+  const int sg_lo = simd_min(range.lo < range.hi ? range.lo : numeric_limits<int>::max());
+  const int sg_hi = simd_max(range.lo < range.hi ? range.hi : 0);
+
+  // K rows, then V rows, of a block; first the query tile [MBD_TILE_ROWS, D].
+  threadgroup float bda_stage[2 * KB * D];
+  threadgroup int bda_stage_valid[KB];
+  for (int e = tid; e < MBD_TILE_ROWS * NV; e += THREADS) {
+    const int r = group_first + e / NV;
+    floatv x = floatv(0.0f);
+    if (r < total_rows) {
+      const device T* qrow = queries + b * p.q_batch_stride + (kv_head * G + r % G) * p.q_head_stride +
+          (own.first + r / G) * p.q_row_stride;
+      x = bda_load<T, V>::row(qrow + (e % NV) * V, bda_vector_loads) * p.scale;
+    }
+    bda_put(&bda_stage[e * V], x);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_float8x8 q[ND];
+  simdgroup_float8x8 o[ND];
+  for (int d = 0; d < ND; ++d) {
+    simdgroup_load(q[d], bda_stage, D, ulong2(8 * d, 8 * sg));
+    o[d] = make_filled_simdgroup_matrix<float, 8>(0.0f);
+  }
+  float m = -bda_inf;
+  float l = 0.0f;
+  // The query tile is in registers before the first block overwrites it.
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  kv.seek(b, kv_head);
+  const int shift = bda_ring_shift(ring_offsets, p, b);
+  const float softcap = p.softcap;
+  for (int tile = keys.lo; tile < keys.hi; tile += KB) {
+    const int n = min(KB, keys.hi - tile);
+    for (int e = tid; e < 2 * KB * NV; e += THREADS) {
+      const int side = e / (KB * NV);
+      const int key = e / NV % KB;
+      const int vi = e % NV;
+      floatv x = floatv(0.0f);
+      if (key < n) {
+        const BdaRow row = bda_row(kv_starts, p, b, tile + key, shift);
+        if (side == 0 && vi == 0) {
+          bda_stage_valid[key] = row.valid ? 1 : 0;
+        }
+        if (row.valid) {
+          x = side == 0 ? kv.key(row, tile + key, vi) : kv.value(row, tile + key, vi);
+        }
+      }
+      bda_put(&bda_stage[e * V], x);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int kb = 0; kb < n; kb += 8) {
+      // Uniform across the simdgroup: a block outside all its rows' keys is neither multiplied nor weighed.
+      if (tile + kb >= sg_hi || tile + kb + 8 <= sg_lo) {
+        continue;
+      }
+      simdgroup_float8x8 s = make_filled_simdgroup_matrix<float, 8>(0.0f);
+      for (int d = 0; d < ND; ++d) {
+        simdgroup_float8x8 kt;
+        simdgroup_load(kt, bda_stage, D, ulong2(8 * d, kb), true);
+        simdgroup_multiply_accumulate(s, q[d], kt, s);
+      }
+      thread vec<float, 2>& scores = s.thread_elements();
+      bool in[2];
+      float block_max = -bda_inf;
+      for (int j = 0; j < 2; ++j) {
+        const int key = kb + at.col + j;
+        const int t = tile + key;
+        // Logit softcapping before the range and the softmax, as bda_attend.
+        if (softcap > 0.0f) {
+          scores[j] = softcap * precise::tanh(scores[j] / softcap);
+        }
+        in[j] = key < n && t >= range.lo && t < range.hi && bda_stage_valid[key] != 0;
+        if (in[j]) {
+          block_max = max(block_max, scores[j]);
+        }
+      }
+      const float m_new = max(m, bda_tile_row_max(block_max));
+      const float factor = bda_weight(m, m_new);
+      float block_sum = 0.0f;
+      for (int j = 0; j < 2; ++j) {
+        scores[j] = in[j] ? bda_weight(scores[j], m_new) : 0.0f;
+        block_sum += scores[j];
+      }
+      l = l * factor + bda_tile_row_sum(block_sum);
+      m = m_new;
+      for (int d = 0; d < ND; ++d) {
+        simdgroup_float8x8 v;
+        simdgroup_load(v, bda_stage + KB * D, D, ulong2(8 * d, kb));
+        o[d].thread_elements() *= factor;
+        simdgroup_multiply_accumulate(o[d], s, v, o[d]);
+      }
+    }
+    // The next block overwrites this one only once every simdgroup has read it.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  if (mine) {
+    const float sink = p.has_sinks ? sinks[head * p.sinks_stride] : -bda_inf;
+    const float norm = bda_normalizer(m, l, sink);
+    const bool has_keys =
+        range.lo < range.hi && (m != -bda_inf || bda_holds_key(kv_starts, p, b, range.lo, range.hi));
+    const int64_t out_row = bda_out_row(p, b, own, head, row_i);
+    for (int d = 0; d < ND; ++d) {
+      for (int j = 0; j < 2; ++j) {
+        out[out_row * D + 8 * d + at.col + j] = has_keys ? T(o[d].thread_elements()[j] * norm) : T(0.0f);
+      }
+    }
+  }
+}
+
+// bda_attend_tiles when the launch takes the tiled path (bda_tiled) and the
+// kernel has it (TILES: bda_has_tiles, not the quantized rows); whether it ran.
+// A class, not `if constexpr` (C++17): kernels without tiles never instantiate it.
+template <bool TILES>
+struct BdaTiles {
+  template <typename T, int D, typename Rows>
+  static bool attend(const device T*, Rows, const device int*, const device float*, const device int*, device T*,
+                     constant BatchedDecodeParams&, int, BdaRows, BdaRequest, int, int, uint, uint) {
+    return false;
+  }
+};
+template <>
+struct BdaTiles<true> {
+  template <typename T, int D, typename Rows>
+  static bool attend(const device T* queries, Rows kv, const device int* kv_starts, const device float* sinks,
+                     const device int* ring_offsets, device T* out, constant BatchedDecodeParams& p, int b,
+                     BdaRows own, BdaRequest request, int kv_head, int group_first, uint sg, uint lane) {
+    if (!bda_tiled) {
+      return false;
+    }
+    bda_attend_tiles<T, D>(queries, kv, kv_starts, sinks, ring_offsets, out, p, b, own, request, kv_head,
+                           group_first, sg, lane);
+    return true;
+  }
+};
+
 // The kernel's core, whatever the row source: one threadgroup's rows over
 // its split of the keys, then the simdgroups' merge and the output (or the
 // split's partials). queries [B, H_q, L, D], kv (a row source above), valid_lens
@@ -510,7 +760,7 @@ struct BdaQuantizedRows {
 // each simdgroup loads its keys itself; with several, the threadgroup stages
 // each tile of MBD_TILE_KEYS keys in threadgroup memory (one K or V row per
 // simdgroup), so that every K/V row leaves device memory once for all rows.
-template <typename T, int D, int DV, bool GENERIC, typename Rows>
+template <typename T, int D, int DV, bool GENERIC, bool TILES, typename Rows>
 inline void bda_attend(
     const device T* queries,
     Rows kv,
@@ -585,16 +835,16 @@ inline void bda_attend(
 
   const BdaRequest request = bda_request(valid_lens, kv_starts, requests, p, b);
 
-  // The threadgroup's rows cover consecutive i: their key ranges join into one interval, the only keys read.
-  int keys_lo = p.seq_len;
-  int keys_hi = 0;
-  for (int i = group_first / p.gqa_factor; i <= (group_end - 1) / p.gqa_factor; ++i) {
-    const BdaRange range = bda_row_keys(request.len, request.start, own.count, i, p.window);
-    if (range.lo < range.hi) {
-      keys_lo = min(keys_lo, range.lo);
-      keys_hi = max(keys_hi, range.hi);
-    }
+  // Uniform across the launch: the plan chose the tiled path from shapes.
+  if (BdaTiles<TILES>::template attend<T, D>(queries, kv, kv_starts, sinks, ring_offsets, out, p, b, own, request,
+                                             kv_head, group_first, sg, lane)) {
+    return;
   }
+
+  // The threadgroup's rows cover consecutive i: their key ranges join into one interval, the only keys read.
+  const BdaRange block_keys = bda_block_keys(request, own, p, group_first, group_end);
+  const int keys_lo = block_keys.lo;
+  const int keys_hi = block_keys.hi;
 
   // Row r of the chunk is row i of query head h, from (i, g) index first + r.
   floatv q[RB][C];
@@ -819,9 +1069,9 @@ template <typename T, int D, int DV, bool GENERIC>
     uint num_sg [[simdgroups_per_threadgroup]]) {
   const BdaDenseRows<T, bda_vector_width<D, DV, GENERIC>()> kv{
       keys, values, p.k_head_stride, p.v_head_stride, bda_vector_loads};
-  bda_attend<T, D, DV, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, ring_offsets, query_starts, out,
-                                partial_acc, partial_max, partial_sum, p, nullptr, tgid, 0, p.num_requests, sg,
-                                lane, num_sg);
+  bda_attend<T, D, DV, GENERIC, bda_has_tiles<D, DV, GENERIC>()>(
+      queries, kv, valid_lens, kv_starts, sinks, ring_offsets, query_starts, out, partial_acc, partial_max,
+      partial_sum, p, nullptr, tgid, 0, p.num_requests, sg, lane, num_sg);
 }
 
 // The quantized kernel: keys and values as mx.quantize's (packed uint32
@@ -854,8 +1104,9 @@ template <typename T, int D, bool GENERIC, int BITS>
   const BdaQuantizedRows<BITS, bda_vector_width<D, D, GENERIC>()> kv{
       keys, values, key_scales, key_biases, value_scales, value_biases, p.k_batch_stride, p.k_head_stride,
       p.k_seq_stride, p.v_batch_stride, p.v_head_stride, p.v_seq_stride, &q, 0, 0};
-  bda_attend<T, D, D, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, nullptr, query_starts, out, partial_acc,
-                               partial_max, partial_sum, p, nullptr, tgid, 0, p.num_requests, sg, lane, num_sg);
+  bda_attend<T, D, D, GENERIC, false>(queries, kv, valid_lens, kv_starts, sinks, nullptr, query_starts, out,
+                                      partial_acc, partial_max, partial_sum, p, nullptr, tgid, 0, p.num_requests, sg,
+                                      lane, num_sg);
 }
 
 // The ragged kernel: request b's keys [H_kv, T_b, D] and values [H_kv, T_b, Dv] (any strides)
@@ -901,9 +1152,9 @@ template <typename T, int D, int DV, bool GENERIC>
       {{slot0, slot1, slot2, slot3, slot4, slot5, slot6, slot7, slot8, slot9, slot10, slot11, slot12, slot13, slot14,
         slot15}},
       requests, bda_vector_loads, nullptr, nullptr, 0, 0};
-  bda_attend<T, D, DV, GENERIC>(queries, kv, valid_lens, kv_starts, sinks, nullptr, query_starts, out, partial_acc,
-                                partial_max, partial_sum, p, requests, tgid, group.first_request, group.num_requests,
-                                sg, lane, num_sg);
+  bda_attend<T, D, DV, GENERIC, bda_has_tiles<D, DV, GENERIC>()>(
+      queries, kv, valid_lens, kv_starts, sinks, nullptr, query_starts, out, partial_acc, partial_max, partial_sum, p,
+      requests, tgid, group.first_request, group.num_requests, sg, lane, num_sg);
 }
 
 // Split-K second pass: merges the splits' (max, sum, acc) of one output row

@@ -15,6 +15,9 @@
 //     are multiples of 32 (the group sizes' multiple), with the reduce above;
 //   ragged_decode_attention_<dtype>_<D> (and _<D>_v<Dv>, _upto<N>): the main
 //     pass on one buffer per request, for every head dim above, with the reduce above.
+// The fast dense and ragged kernels of D = Dv <= 128 (32, 64, 80, 96, 112, 128)
+// also hold the tiled path (simdgroup matrices, packed queries of many rows),
+// which function constant MBD_FC_TILED selects (csrc/metal/launch_plan.h, uses_tiles).
 #include "batched_decode_attention.h"
 
 #define instantiate_batched_decode_attention(tname, type, dim, vdim, suffix, generic) \

@@ -13,10 +13,20 @@
 // Keys of a K/V tile in threadgroup memory, which the simdgroups of several
 // row chunks share: its K and V rows take the merge's MBD_MAX_SIMDGROUPS rows.
 #define MBD_TILE_KEYS (MBD_MAX_SIMDGROUPS / 2)
+// The tiled path (packed queries of many rows): a threadgroup of MBD_TILE_SIMDGROUPS
+// simdgroups holds MBD_TILE_ROWS query rows, 8 per simdgroup (an 8 x 8
+// simdgroup matrix's rows), and stages MBD_TILE_BLOCK keys at a time.
+#define MBD_TILE_SIMDGROUPS 4
+#define MBD_TILE_ROWS (8 * MBD_TILE_SIMDGROUPS)
+#define MBD_TILE_BLOCK 16
+// The widest head dim of the tiled path (D = Dv, a multiple of 8).
+#define MBD_TILE_MAX_DIM 128
 // Function constant indices: the query rows one threadgroup holds (<= MBD_MAX_ROWS),
-// and whether Q/K/V rows allow whole vector loads (bool).
+// whether Q/K/V rows allow whole vector loads (bool), and whether the kernel
+// takes the tiled path (bool).
 #define MBD_FC_ROWS 0
 #define MBD_FC_VECTOR_LOADS 1
+#define MBD_FC_TILED 2
 // The dense kernel's ring offsets int32 [B] (has_ring_offset); the index is
 // free in that kernel (the quantized and ragged kernels bind their own there).
 #define MBD_RING_OFFSETS 11

@@ -145,6 +145,7 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, const L
   // this plan assumes the least any pipeline allows.
   const LaunchPlan provisional = plan_for(shape, {MBD_SIMD_WIDTH, MBD_SIMD_WIDTH}, quantized, ragged);
   int rows = provisional.rows_per_group;
+  bool tiled = provisional.tiled;
   // Packed rows are read a word per lane: only the queries' vectors count for them.
   bool vectors = ragged      ? ragged_vector_loads(shape, provisional, strides, offsets.q, ragged->layout)
       : quantized ? quantized_vector_loads(shape, provisional, strides, offsets.q)
@@ -153,10 +154,13 @@ void launch_decode_attention(const mx::Stream& s, const char* primitive, const L
                                          quantized ? quantized->bits : 0, ragged != nullptr);
   const mx::metal::MTLFCList constants = {
       {&rows, MTL::DataType::DataTypeInt, MBD_FC_ROWS},
-      {&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS}};
+      {&vectors, MTL::DataType::DataTypeBool, MBD_FC_VECTOR_LOADS},
+      {&tiled, MTL::DataType::DataTypeBool, MBD_FC_TILED}};
   MTL::ComputePipelineState* kernel = pipeline(
       d, provisional.kernel, library,
-      provisional.kernel + "_rows" + std::to_string(rows) + (vectors ? "_vector" : "_scalar"), constants);
+      provisional.kernel + "_rows" + std::to_string(rows) + (vectors ? "_vector" : "_scalar") +
+          (tiled ? "_tiled" : ""),
+      constants);
   // Each pipeline's own limit (registers decide it): the plan sizes both passes' threadgroups from them.
   const int main_limit = int(kernel->maxTotalThreadsPerThreadgroup());
   LaunchPlan plan = plan_for(shape, {main_limit, main_limit}, quantized, ragged);

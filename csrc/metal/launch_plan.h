@@ -99,6 +99,7 @@ struct LaunchPlan {
   uint64_t partial_acc_elems;   // float32 [output rows, splits, Dv]; 0 when single pass
   uint64_t partial_stats_elems; // float32 [output rows, splits] for max and for sum
   bool packed_queries;       // query_starts: the request of a threadgroup is its row block's
+  bool tiled;                // the tiled path (function constant MBD_FC_TILED), see uses_tiles
 };
 
 // Split-K aims for this many threadgroups (a few per GPU core on Apple silicon).
@@ -184,6 +185,23 @@ inline std::string kernel_name(KernelDtype dtype, int head_dim, int value_dim, b
       kernel_suffix(dtype, head_dim, value_dim);
 }
 
+// The tiled path takes packed queries of at least this many rows per request and KV head
+// on average (G * N >= kTileMinRows * B): half a tile, where matrix products beat the vector path.
+constexpr int kTileMinRows = MBD_TILE_ROWS / 2;
+
+/**
+ * Whether a launch takes the tiled path, from shapes only (the kernel's
+ * function constant must not depend on thread limits): packed queries of many
+ * rows (kTileMinRows), D = Dv a fast head dim that is a multiple of 8 and at
+ * most MBD_TILE_MAX_DIM, and a row source with tiles (`tiles`: not the quantized one).
+ */
+inline bool uses_tiles(const LaunchShape& s, bool tiles = true) {
+  const int G = s.num_q_heads / std::max(s.num_kv_heads, 1);
+  return tiles && s.has_query_starts && value_head_dim(s) == s.head_dim && is_fast_kernel(s.head_dim) &&
+      s.head_dim % 8 == 0 && s.head_dim <= MBD_TILE_MAX_DIM &&
+      int64_t(G) * s.num_rows >= int64_t(kTileMinRows) * s.batch;
+}
+
 /**
  * The launch of both passes, from shapes and the pipelines' thread limits. A
  * request's R rows share each K/V row read when one threadgroup holds them
@@ -196,8 +214,11 @@ inline std::string kernel_name(KernelDtype dtype, int head_dim, int value_dim, b
  * rows_per_group), enough for any q_b that sum to N: the kernel maps a block to
  * its request by binary search over query_starts, and blocks past a request's
  * rows return at once.
+ *
+ * Tiled (uses_tiles; `tiles` false for a row source without them): row blocks
+ * of MBD_TILE_ROWS rows, MBD_TILE_SIMDGROUPS simdgroups of 8 rows each, one pass.
  */
-inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& limits) {
+inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& limits, bool tiles = true) {
   const std::string prefix = "[batched_decode_attention] ";
   if (s.batch < 1 || s.num_q_heads < 1 || s.num_kv_heads < 1 || s.num_rows < 1 || s.seq_len < 0) {
     throw std::invalid_argument(prefix + "B, H_q, H_kv and L must be positive and T >= 0");
@@ -254,6 +275,20 @@ inline LaunchPlan make_launch_plan(const LaunchShape& s, const ThreadLimits& lim
     p.row_groups = int(int64_t(G) * s.num_rows / block_rows + s.batch);
   }
   const int64_t requests = s.has_query_starts ? 1 : s.batch;
+  p.tiled = uses_tiles(s, tiles);
+  if (p.tiled) {
+    p.rows_per_group = 8;
+    p.group_chunks = MBD_TILE_SIMDGROUPS;
+    p.row_chunks = ceil_div(rows, p.rows_per_group);
+    p.row_groups = int(int64_t(G) * s.num_rows / MBD_TILE_ROWS + s.batch);
+    const int64_t tile_positions = std::min<int64_t>(s.num_rows, 1 + ceil_div(MBD_TILE_ROWS - 1, G));
+    p.keys_span = int(std::min<int64_t>(s.seq_len, int64_t(s.window) + tile_positions - 1));
+    p.num_splits = 1;
+    p.split_len = std::max(1, p.keys_span);
+    p.grid = {1, uint64_t(s.num_kv_heads) * p.row_groups, 1};
+    p.group = {uint64_t(MBD_TILE_SIMDGROUPS) * MBD_SIMD_WIDTH, 1, 1};
+    return p;
+  }
 
   // Split the keys only when (request, KV head, row group) items can't fill the GPU.
   const int64_t items = requests * s.num_kv_heads * p.row_groups;

@@ -35,7 +35,8 @@ inline LaunchPlan make_quantized_launch_plan(const LaunchShape& s, const ThreadL
   if (s.head_dim % group_size != 0) {
     throw std::invalid_argument(prefix + "head dim " + std::to_string(s.head_dim) + " is not a multiple of group_size");
   }
-  LaunchPlan p = make_launch_plan(s, limits);
+  // The quantized rows have no tiled path: their packed words are read a word per lane.
+  LaunchPlan p = make_launch_plan(s, limits, false);
   p.kernel = quantized_kernel_name(s.dtype, s.head_dim, bits);
   return p;
 }

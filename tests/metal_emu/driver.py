@@ -62,6 +62,7 @@ class Plan(ctypes.Structure):
         ("vector_width", ctypes.c_int),
         ("partial_acc_elems", ctypes.c_ulonglong),
         ("partial_stats_elems", ctypes.c_ulonglong),
+        ("tiled", ctypes.c_int),
     ]
 
 

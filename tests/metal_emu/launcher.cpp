@@ -116,6 +116,7 @@ struct MbdPlan {
   unsigned long long grid[3], group[3], reduce_grid[3], reduce_group[3];
   int num_splits, split_len, keys_span, rows_per_group, row_chunks, group_chunks, row_groups, vector_width;
   unsigned long long partial_acc_elems, partial_stats_elems;
+  int tiled;
 };
 
 /** What the last emulated call did: the vector-load decision, the main pass's
@@ -153,6 +154,7 @@ int mbd_emu_plan(const int shape[kShapeInts], MbdPlan* out, char* error, int err
     out->vector_width = p.vector_width;
     out->partial_acc_elems = p.partial_acc_elems;
     out->partial_stats_elems = p.partial_stats_elems;
+    out->tiled = p.tiled;
     return 0;
   } catch (const std::exception& e) {
     return report(e.what(), error, error_len);
@@ -201,7 +203,8 @@ static std::string run_passes(const LaunchShape& s, const LaunchPlan& plan, void
   unsigned grid[3], group[3];
   copy3(plan.group, group);
   const emu::ConstantValue constants[] = {{MBD_FC_ROWS, &plan.rows_per_group, sizeof(int)},
-                                          {MBD_FC_VECTOR_LOADS, &vectors, sizeof(bool)}};
+                                          {MBD_FC_VECTOR_LOADS, &vectors, sizeof(bool)},
+                                          {MBD_FC_TILED, &plan.tiled, sizeof(bool)}};
   std::string problem;
   RaggedGroupParams group_params{};
   const int dispatches = ragged ? int(ragged->layout.groups.size()) : 1;
@@ -223,7 +226,7 @@ static std::string run_passes(const LaunchShape& s, const LaunchPlan& plan, void
     }
     const std::vector<emu::WatchedBuffer> watched = distinct_buffers(buffers, bytes, kBindings);
     emu::watch_buffers(watched.data(), int(watched.size()));
-    problem = emu::dispatch(plan.kernel.c_str(), buffers, kBindings, grid, group, emu::Backend(backend), constants, 2);
+    problem = emu::dispatch(plan.kernel.c_str(), buffers, kBindings, grid, group, emu::Backend(backend), constants, 3);
     unsigned long long loaded[emu::kMaxBuffers];
     emu::loaded_bytes(loaded);
     for (int i = 0; i < emu::kMaxBuffers; ++i) {

@@ -169,6 +169,20 @@ MUTATIONS = {
         "const int value_dim = GENERIC ? p.value_dim : DV;\n  const int nk",
         "const int value_dim = GENERIC ? p.head_dim : D;\n  const int nk",
     ),
+    # The tiled path (tests/kernels/metal/test_metal_tiled_emulated.py): each row's range that of
+    # the next position, its scores never capped, and P V with the value block transposed.
+    "tiled_position_off_by_one": (
+        "mine ? bda_row_keys(request.len, request.start, own.count, row_i, p.window)",
+        "mine ? bda_row_keys(request.len, request.start, own.count, row_i + 1, p.window)",
+    ),
+    "tiled_softcap_dropped": (
+        "if (softcap > 0.0f) {\n          scores[j] =",
+        "if (softcap < 0.0f) {\n          scores[j] =",
+    ),
+    "tiled_values_transposed": (
+        "simdgroup_load(v, bda_stage + KB * D, D, ulong2(8 * d, kb));",
+        "simdgroup_load(v, bda_stage + KB * D, D, ulong2(8 * d, kb), true);",
+    ),
     # Vector loads whatever the views' alignment (UBSan reports them, see test_metal_sanitizers).
     "vector_loads_whatever_the_alignment": (
         "constant bool bda_vector_loads [[function_constant(MBD_FC_VECTOR_LOADS)]];",
@@ -193,6 +207,9 @@ RING_ONLY = {"ring_modulo_dropped", "ring_modulo_of_t_plus_1", "ring_wrap_off_by
 # (tests/kernels/metal/test_metal_varlen_emulated.py); the value dim's only on single-pass
 # ones, whose writes past the output land in the driver's margins, not in the split-K partials.
 VARLEN_ONLY = {"packed_rows_one_position_late", "value_stride_of_the_keys", "value_dim_of_the_keys"}
+
+# Mutations of the tiled path, run on its cases (tests/kernels/metal/test_metal_tiled_emulated.py).
+TILED_ONLY = {"tiled_position_off_by_one", "tiled_softcap_dropped", "tiled_values_transposed"}
 
 # Caught by the sanitizer builds only (tests/kernels/metal/test_metal_sanitizers.py): on x86 a
 # misaligned vector load reads the right bytes (UBSan), and a tile restaged early is a race

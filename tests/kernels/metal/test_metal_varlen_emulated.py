@@ -2,7 +2,8 @@
 compiled with g++ by the emulation harness, against float64 attention: the four row sources
 (dense, paged, quantized, ragged), three dtypes, (D, Dv) of equal fast dims, a fast pair, MLA's
 latent (576, 512, values a view of the keys) and a generic pair, GQA groups up to 128, requests
-of 0 to 37 rows (and one of 512), windows, sinks, kv_starts and a softcap, both launch paths.
+of 0 to 37 rows (and one of 512), windows, sinks, kv_starts and a softcap, both launch paths and,
+for equal head dims up to 128, the tiled path (test_metal_tiled_emulated.py has its own cases).
 Every position no query row of a request attends holds NaN (keys) or inf (values); the
 driver poisons the output and the memory around it. Malformed query_starts give zeros,
 decided in the kernel; the launch plan reads nothing but shapes; K/V bytes stay within
@@ -81,7 +82,9 @@ def assert_close(out, want, dtype):
 def test_dense(lib, dtype, dims, path, options):
     case = packed_case([dims[0], len(path), len(options)], path, dtype, dims, 4, options == "all")
     p = plan_of(lib, case)
-    assert (p["num_splits"] > 1) == (path == "split_k") and p["grid"][2] == 1
+    # Equal head dims up to 128 take the tiled path (many rows: G x N >= 16 x B), which never splits.
+    assert p["tiled"] == (dims[0] == dims[1] <= 128)
+    assert (p["num_splits"] > 1) == (path == "split_k" and not p["tiled"]) and p["grid"][2] == 1
     assert_close(case.run(lib), case.reference(), dtype)
 
 
@@ -108,7 +111,8 @@ def test_gqa_groups(lib, g, h_kv, dims, path):
     else:
         overrides = {}
     case = packed_case([g, len(path)], path, "bfloat16", dims, g, True, h_kv=h_kv, **overrides)
-    assert (plan_of(lib, case)["num_splits"] > 1) == (path == "split_k")
+    p = plan_of(lib, case)
+    assert (p["num_splits"] > 1) == (path == "split_k" and not p["tiled"])
     assert_close(case.run(lib), case.reference(), "bfloat16")
 
 
@@ -305,7 +309,9 @@ def test_plan_of_packed_rows(lib, dims, n, b, g):
     p = lib.plan(b, 2 * g, 2, 4096, d, "float16", rows=n, dv=dv, packed=True)
     unpacked = lib.plan(b, 2 * g, 2, 4096, d, "float16", rows=-(-n // b), dv=dv)
     block = p["group_chunks"] * p["rows_per_group"]
-    assert (p["rows_per_group"], p["group_chunks"]) == (unpacked["rows_per_group"], unpacked["group_chunks"])
+    # The tiled path's blocks are its 32-row tiles (test_metal_tiled_emulated.py).
+    assert (p["rows_per_group"], p["group_chunks"]) == ((8, 4) if p["tiled"] else (
+        unpacked["rows_per_group"], unpacked["group_chunks"]))
     assert p["row_groups"] == g * n // block + b and p["grid"][1:] == (2 * p["row_groups"], 1)
     suffix = f"{d}_v{dv}" if (d, dv) in ((192, 128), (576, 512)) else str(d) if d == dv else \
         f"upto{128 if max(d, dv) <= 128 else 576}"
