@@ -1,8 +1,10 @@
 #include "arguments.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
+#include <vector>
 
 #include "head_dims.h"
 #include "mlx/ops.h"
@@ -141,11 +143,20 @@ mx::array request_queries(const std::string& op, const mx::array& queries, const
   if (!mx::issubdtype(qs.dtype(), mx::integer)) {
     fail_argument(op, "query_starts must have an integer dtype, got " + dtype_str(qs.dtype()) + ".");
   }
-  // B + 1 integers: reading them costs one small evaluation, before any work of this call is queued.
+  // B + 1 integers, read before any work of this call is queued: in place when they are evaluated
+  // int32 (the decoder's, no evaluation), else through one small evaluation.
   if (!qs.is_tracer()) {
-    mx::array v = mx::astype(qs, mx::int64, mx::Device::cpu);
-    v.eval();
-    const int64_t* x = v.data<int64_t>();
+    std::vector<int64_t> x(B + 1);
+    if (qs.is_available() && qs.dtype() == mx::int32) {
+      const int32_t* p = qs.data<int32_t>();
+      for (int b = 0; b <= B; ++b) {
+        x[b] = p[b * qs.strides(0)];
+      }
+    } else {
+      mx::array v = mx::astype(qs, mx::int64, mx::Device::cpu);
+      v.eval();
+      std::copy_n(v.data<int64_t>(), B + 1, x.begin());
+    }
     if (x[0] != 0 || x[B] != N) {
       fail_argument(op, "query_starts must start at 0 and end at N = " + std::to_string(N) + ", got " +
                     std::to_string(x[0]) + " .. " + std::to_string(x[B]) + ".");
