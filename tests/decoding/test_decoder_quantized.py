@@ -17,12 +17,14 @@ pytest.importorskip("mlx_lm")
 
 import mlx_batched_decode  # noqa: E402
 from mlx_batched_decode import _ext  # noqa: E402
+from mlx_batched_decode.attention.ring import RingSlotAttention  # noqa: E402
+from mlx_batched_decode.attention.slot import SlotAttention, attend_first_chunks  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.caches.kv_cache import SlotKVCache  # noqa: E402
 from mlx_batched_decode.caches.ring_kv_cache import RingSlotKVCache  # noqa: E402
 from mlx_batched_decode.caches.quantized_kv_cache import QuantizedSlotKVCache  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
-from tests.support.mlx_lm_models import GPT_OSS, mlx_lm_greedy, random_prompts  # noqa: E402
+from tests.support.mlx_lm_models import mlx_lm_greedy, random_prompts  # noqa: E402
 from tests.decoding.test_decoder import FAMILIES  # noqa: E402
 from tests.decoding.test_decoder_windows import FAMILIES as WINDOW_FAMILIES  # noqa: E402
 from tests.decoding.test_decoder_windows import build as build_windowed  # noqa: E402
@@ -70,8 +72,9 @@ def test_chunked_prefill_matches_mlx_lm(models, bits):
     """Prefill in chunks of 8: every chunk after the first attends the quantized keys of the
     earlier ones, in mlx-lm and here."""
     model = models["ministral3"]
-    decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits, prefill_step_size=8)
-    out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
+    # One request at a time, so that every chunk is 8 tokens, at mlx-lm's chunk boundaries.
+    decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits, max_step_tokens=8)
+    out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=1)
     assert out == mlx_lm_quantized(model, bits, prefill_step_size=8)
 
 
@@ -92,7 +95,8 @@ def test_float16_models_keep_float16_scales_and_mostly_match_mlx_lm(bits):
 
 def _dequantized_reference(model, prompts, budgets, bits, group_size, monkeypatch):
     """The dense slot decoder with every key/value it writes replaced by
-    ``mx.dequantize(mx.quantize(.))``: plain MLX and the dense op, no quantized kernel."""
+    ``mx.dequantize(mx.quantize(.))``, a prompt's first chunk attending its own keys/values
+    unrounded as over a quantized cache: plain MLX and the dense op, no quantized kernel."""
 
     def rounded(x):
         triple = mx.quantize(x, group_size=group_size, bits=bits)
@@ -112,7 +116,19 @@ def _dequantized_reference(model, prompts, budgets, bits, group_size, monkeypatc
                 "write_prompt",
                 lambda c, slot, k, v, real=real_write: real(c, slot, rounded(k), rounded(v)),
             )
-        decoder = BatchedDecoder(model, kv_step=16)
+        for attention_class in (SlotAttention, RingSlotAttention):
+            real_attend = attention_class.attend
+            patch.setattr(
+                attention_class,
+                "attend",
+                lambda a, ctx, q, k, v, *, new_keys_values=None, real=real_attend, **options: (
+                    attend_first_chunks(real(a, ctx, q, k, v, **options), ctx, q, new_keys_values,
+                                        options)
+                ),
+            )
+        # Chunks of the window (16): the dense decoder's rings take no more, so both decoders
+        # cut the prompts alike.
+        decoder = BatchedDecoder(model, kv_step=16, max_step_tokens=16)
         return decoder.generate(prompts, budgets, max_batch_size=3)
 
 
@@ -125,7 +141,7 @@ def test_windows_and_sinks_match_the_dequantized_dense_decoder(family, bits, mon
     model = build_windowed(family)
     lens, budgets = [2, 9, 60, 16, 17, 33], [24, 24, 24, 5, 24, 1]
     prompts = random_prompts(lens)
-    decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits, kv_group_size=32)
+    decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits, kv_group_size=32, max_step_tokens=16)
     out = decoder.generate(prompts, budgets, max_batch_size=3)
     assert out == _dequantized_reference(model, prompts, budgets, bits, 32, monkeypatch)
 
@@ -135,7 +151,7 @@ def test_4bit_and_8bit_match_the_dequantized_dense_decoder(models, bits, monkeyp
     """The same reference on a full-attention model, including a one-token prompt."""
     model = models["qwen2"]
     prompts, budgets = random_prompts([1, 7, 30]), [12, 12, 12]
-    decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits)
+    decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits, max_step_tokens=16)
     out = decoder.generate(prompts, budgets, max_batch_size=3)
     assert out == _dequantized_reference(model, prompts, budgets, bits, 64, monkeypatch)
 
@@ -162,6 +178,7 @@ def test_each_layer_calls_the_quantized_op_once_per_step(models, monkeypatch):
     decoder = BatchedDecoder(model, kv_bits=4, kv_group_size=32)
     for prompt in random_prompts([4, 9, 2]):
         decoder.add_request(prompt, 5)
+    decoder.step()  # the prompts, whose first chunks also attend themselves with the dense op
     calls = []
     real_op = mlx_batched_decode.quantized_batched_decode_attention
 
@@ -184,7 +201,7 @@ def test_each_layer_calls_the_quantized_op_once_per_step(models, monkeypatch):
     for (keys, values, kwargs), cache in zip(calls, decoder.slot_caches):
         assert kwargs["bits"] == 4 and kwargs["group_size"] == 32
         # The keys are views of the cache's own buffers: [B, H_kv, max_len, *] of them.
-        assert [x.shape[:3] for x in (*keys, *values)] == 6 * [(3, 2, 9)]
+        assert [x.shape[:3] for x in (*keys, *values)] == 6 * [(3, 2, 10)]
         assert [x.shape[3] for x in keys] == [64 * 4 // 32, 2, 2]
         assert all(x.shape[2] == cache.capacity for x in cache.buffers())
 
@@ -228,45 +245,3 @@ def test_rejects_bad_quantization_arguments(models):
         match=r"^\[BatchedDecoder\] kv_group_size 32 does not divide layer 0's key head dim 48",
     ):
         BatchedDecoder(windowed, kv_bits=8, kv_group_size=32)
-
-
-def test_quantized_chunked_prefill_with_sinks(monkeypatch):
-    """gpt-oss prefilled in chunks of 8 at 4 bits: from the second chunk on, its full layers
-    attend a QuantizedKVCache with sinks, which mlx-lm refuses; the op serves them. Reference:
-    the same decode with that attention in plain MLX (mx.dequantize + masked SDPA with sinks)."""
-    import mlx_batched_decode.decoding.model_adapter as adapter
-
-    # Four layers (sliding, full, sliding, full): the first full layer's chunk attention feeds
-    # the keys and values of the layers after it.
-    model = random_model(dict(GPT_OSS, num_hidden_layers=4), seed=1)
-    for layer in model.layers:
-        layer.self_attn.sinks = 2.0 * mx.random.normal(layer.self_attn.sinks.shape)
-    mx.eval(model.parameters())
-    prompts, budgets = random_prompts([2, 30, 17]), [12, 12, 12]
-    chunk_rows = []
-    real_op = mlx_batched_decode.quantized_batched_decode_attention
-
-    def spy(queries, *args, **kwargs):
-        chunk_rows.append(queries.shape[2])
-        return real_op(queries, *args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(mlx_batched_decode, "quantized_batched_decode_attention", spy)
-        decoder = BatchedDecoder(
-            model, kv_step=16, kv_bits=4, kv_group_size=32, prefill_step_size=8
-        )
-        out = decoder.generate(prompts, budgets, max_batch_size=3)
-    # Chunks 2.. of the prefills of 29 and 16 tokens (8 + 8 + 8 + 5, 8 + 8), in 2 full layers.
-    assert sorted(r for r in chunk_rows if r > 1) == [5, 5, 8, 8, 8, 8, 8, 8]
-
-    def plain(queries, keys, values, cache, scale, mask, sinks):
-        k, v = (
-            mx.dequantize(*t, group_size=cache.group_size, bits=cache.bits) for t in (keys, values)
-        )
-        return mx.fast.scaled_dot_product_attention(
-            queries, k, v, scale=scale, mask=mask, sinks=sinks
-        )
-
-    monkeypatch.setattr(adapter, "quantized_chunk_attention", plain)
-    decoder = BatchedDecoder(model, kv_step=16, kv_bits=4, kv_group_size=32, prefill_step_size=8)
-    assert decoder.generate(prompts, budgets, max_batch_size=3) == out

@@ -20,6 +20,7 @@ class AttendOptions(NamedTuple):
     scale: Optional[float] = None
     window: Optional[int] = None
     sinks: Optional[mx.array] = None
+    query_starts: Optional[mx.array] = None
 
 
 class DecodeAttention(ABC):
@@ -43,10 +44,26 @@ class DecodeAttention(ABC):
         scale: Optional[float] = None,
         window: Optional[int] = None,
         sinks: Optional[mx.array] = None,
+        new_keys_values: Optional[tuple[mx.array, mx.array]] = None,
     ) -> mx.array:
         """``queries [B, H_q, L, D]`` over what ``update`` returned -> ``[B, H_q, L, D]``;
-        ``window`` (int >= 1) bounds each row to its last keys, ``sinks`` is ``[H_q]`` float."""
-        return self._attend(context, queries, keys, values, AttendOptions(scale, window, sinks))
+        ``window`` (int >= 1) bounds each row to its last keys, ``sinks`` is ``[H_q]`` float.
+        With a ``PackedDecodeContext`` the queries are its N tokens, ``[N, H_q, 1, D]``, and
+        the op takes them packed with the context's ``query_starts``. ``new_keys_values``: the
+        step's new keys/values as ``update`` got them, which only the quantized path reads
+        (``QuantizedSlotAttention``)."""
+        query_starts = getattr(context, "query_starts", None)
+        if query_starts is None:
+            return self._attend(context, queries, keys, values, AttendOptions(scale, window, sinks))
+        n, heads, _, dim = queries.shape
+        rows = context.uniform_query_len
+        if rows is not None:
+            # Every request feeds L tokens: the plain [B, H_q, L, D] layout, no starts.
+            batched = queries.reshape(n // rows, rows, heads, dim).swapaxes(1, 2)
+            out = self._attend(context, batched, keys, values, AttendOptions(scale, window, sinks))
+            return out.swapaxes(1, 2).reshape(n, heads, 1, -1)
+        options = AttendOptions(scale, window, sinks, query_starts)
+        return self._attend(context, queries[:, :, 0], keys, values, options)[:, :, None]
 
     @abstractmethod
     def _attend(

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 import mlx_batched_decode
 
-from ..caches.paged_context import PagedDecodeContext
+from ..caches.paged_context import PagedDecodeContext, PagedPackedContext
 from ..caches.paged_kv_cache import PagedKVCache
 from .base import AttendOptions, DecodeAttention
 
@@ -26,7 +26,9 @@ class PagedAttention(DecodeAttention):
         """Write the new ``[B, H_kv, L, D]`` keys/values; return the layer's pools
         ``[N, block_size, H_kv, D]``."""
         cache = context.layer_caches[layer]
-        if not isinstance(cache, PagedKVCache) or not isinstance(context, PagedDecodeContext):
+        if not isinstance(cache, PagedKVCache) or not isinstance(
+            context, (PagedDecodeContext, PagedPackedContext)
+        ):
             raise TypeError(
                 f"[PagedAttention] layer {layer} needs a PagedKVCache and a PagedDecodeContext, "
                 f"got {type(cache).__name__} and {type(context).__name__}"

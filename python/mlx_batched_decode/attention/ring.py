@@ -43,11 +43,12 @@ class RingSlotAttention(DecodeAttention):
 
     def _attend(self, context, queries, keys, values, options: AttendOptions) -> mx.array:
         """``queries [B, H_q, L, D]`` over the rings from ``update`` -> ``[B, H_q, L, D]``."""
-        reach = self.size - context.query_len + 1
+        reach = self.size - context.max_query_len + 1
         if options.window is None or options.window > reach:
             raise ValueError(
-                f"[RingSlotAttention] a ring of {self.size} positions serves {context.query_len} "
-                f"new tokens per request within windows of at most {reach} keys, got "
+                f"[RingSlotAttention] a ring of {self.size} positions serves "
+                f"{context.max_query_len} new tokens per request within windows of at most "
+                f"{reach} keys, got "
                 f"window={options.window}"
             )
         ring = context.rings[self.size]

@@ -67,6 +67,13 @@ class QuantizedSlotAttention(DecodeAttention):
             )
         return cache.update(keys, values, context)
 
+    def attend(self, context, queries, keys, values, *, new_keys_values=None, **options):
+        """As ``DecodeAttention.attend``; the rows of a packed context's ``first_chunk_rows``
+        (a prompt's first tokens) attend their own ``new_keys_values`` unquantized
+        (``attend_first_chunks``), as mlx-lm's prefill attends a prompt before it quantizes."""
+        out = super().attend(context, queries, keys, values, **options)
+        return attend_first_chunks(out, context, queries, new_keys_values, options)
+
     def _attend(self, context, queries, keys, values, options: AttendOptions) -> mx.array:
         """``queries [B, H_q, L, D]`` over the triples from ``update`` -> ``[B, H_q, L, D]``."""
         return mlx_batched_decode.quantized_batched_decode_attention(
@@ -78,3 +85,21 @@ class QuantizedSlotAttention(DecodeAttention):
             bits=self.bits,
             **options._asdict(),
         )
+
+
+def attend_first_chunks(out, context, queries, new_keys_values, options) -> mx.array:
+    """``out [N, H_q, 1, D]`` with the rows of each of ``context.first_chunk_rows`` replaced by
+    their attention over their own new keys/values ``[N, H_kv, 1, D]`` with the dense op (rows
+    ``start .. end - 1`` are one request's first positions, causal among themselves)."""
+    if new_keys_values is None:
+        return out
+    new_keys, new_values = new_keys_values
+    for start, end in getattr(context, "first_chunk_rows", ()):
+        # [count, H_kv, 1, D] -> one request's [1, H_kv, count, D].
+        keys = new_keys[start:end].transpose(2, 1, 0, 3)
+        values = new_values[start:end].transpose(2, 1, 0, 3)
+        bounds = mx.array([0, end - start], dtype=mx.int32)
+        out[start:end] = mlx_batched_decode.batched_decode_attention(
+            queries[start:end, :, 0], keys, values, bounds[1:], query_starts=bounds, **options
+        )[:, :, None]
+    return out

@@ -82,18 +82,24 @@ class SlotBuffers:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
     def scatter(
-        self, rows: mx.array, positions: mx.array, length: int, keys: mx.array, values: mx.array
+        self,
+        rows: mx.array,
+        positions: mx.array,
+        slots: int,
+        length: int,
+        keys: mx.array,
+        values: mx.array,
     ) -> tuple[mx.array, mx.array]:
-        """Write new ``[B, H_kv, L, D]`` keys/values of slots ``rows`` at ``positions`` ``[B, L]``
-        and return the strided views ``[B, H_kv, length, D]`` attention reads in place.
+        """Write new ``[M, H_kv, L, D]`` keys/values of slots ``rows`` at ``positions`` ``[M, L]``
+        (M = B requests of L tokens, or N packed tokens of one) and return the strided views
+        ``[slots, H_kv, length, D]`` attention reads in place.
 
-        One scatter per buffer for the whole batch; MLX updates the buffer in place. The two
-        index arrays broadcast to [B, L] and sit apart, so the updates are [B, L, H_kv, D].
+        One scatter per buffer for the whole step; MLX updates the buffer in place. The two
+        index arrays broadcast to [M, L] and sit apart, so the updates are [M, L, H_kv, D].
         """
         self.keys[rows, :, positions] = keys.swapaxes(1, 2)
         self.values[rows, :, positions] = values.swapaxes(1, 2)
-        B = keys.shape[0]
-        return self.keys[:B, :, :length], self.values[:B, :, :length]
+        return self.keys[:slots, :, :length], self.values[:slots, :, :length]
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src``'s buffers into slot ``dst``."""

@@ -89,3 +89,8 @@ class BatchedDecodeContext:
             size: ring_step(size, self.max_len, self.valid_lens, self.new_positions)
             for size in self.ring_sizes
         }
+
+    @property
+    def max_query_len(self) -> int:
+        """The most new tokens a request feeds this step: L (as ``PackedDecodeContext``'s)."""
+        return self.query_len

@@ -114,7 +114,9 @@ class SlotKVCache(SlotBuffers):
         in place; positions at or past a request's ``valid_lens`` hold stale data, never read.
         """
         self.reserve(context.batch_size, context.max_len, keys, values)
-        return self.scatter(context.rows, context.new_positions, context.max_len, keys, values)
+        return self.scatter(
+            context.rows, context.new_positions, context.batch_size, context.max_len, keys, values
+        )
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""

@@ -12,6 +12,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from .context import BatchedDecodeContext
+from .packed_context import PackedDecodeContext
 
 
 @dataclass
@@ -57,3 +58,40 @@ class PagedDecodeContext(BatchedDecodeContext):
         self.write_rows = mx.array(
             [[p % self.block_size for p in row] for row in positions], dtype=mx.int32
         )
+
+
+@dataclass
+class PagedPackedContext(PackedDecodeContext):
+    """A ``PackedDecodeContext`` whose requests keep their keys/values in the blocks of a
+    ``PagedKVCache``: ``tables`` and ``block_size`` as ``PagedDecodeContext``'s, covering every
+    position up to ``seq_lens[b] + query_lens[b] - 1``.
+
+    Derived fields (besides the base class's): ``block_tables`` int32 ``[B, M]`` as
+    ``PagedDecodeContext``'s; ``write_blocks``, ``write_rows`` int32 ``[N, 1]``, the block and
+    the row in it where each packed token is written.
+    """
+
+    tables: Sequence[Sequence[int]] = ()
+    block_size: int = 16
+    block_tables: mx.array = field(init=False)
+    write_blocks: mx.array = field(init=False)
+    write_rows: mx.array = field(init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.tables) != self.batch_size:
+            raise ValueError(
+                f"[PagedPackedContext] need one block table per request, got {len(self.tables)} "
+                f"for {self.batch_size} requests"
+            )
+        width = max(len(t) for t in self.tables)
+        self.block_tables = mx.array(
+            [list(t) + [-1] * (width - len(t)) for t in self.tables], dtype=mx.int32
+        )
+        blocks, rows = [], []
+        for table, start, count in zip(self.tables, self.seq_lens, self.query_lens):
+            for p in range(start, start + count):
+                blocks.append(table[p // self.block_size])
+                rows.append(p % self.block_size)
+        self.write_blocks = mx.array(blocks, dtype=mx.int32)[:, None]
+        self.write_rows = mx.array(rows, dtype=mx.int32)[:, None]

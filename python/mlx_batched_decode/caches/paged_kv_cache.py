@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from .block_allocator import BlockAllocator
 from .buffers import place_on_huge_pages
-from .paged_context import PagedDecodeContext
+from .paged_context import PagedDecodeContext, PagedPackedContext
 from .prefix_hashes import block_hashes
 
 
@@ -254,11 +254,32 @@ class PagedKVCache:
             block_size=self.block_size,
         )
 
+    def packed_context(
+        self,
+        rids: Sequence[Hashable],
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        first_chunks: Sequence[tuple[int, int]] = (),
+    ) -> PagedPackedContext:
+        """The packed step's ``PagedPackedContext``: positions ``seq_lens[b] .. seq_lens[b] +
+        query_lens[b] - 1`` made writable (``prepare_step``), every layer reading this cache."""
+        for rid, start, count in zip(rids, seq_lens, query_lens):
+            self._take_blocks(rid, start, start + count)
+        return PagedPackedContext(
+            seq_lens,
+            query_lens,
+            [self] * self.num_layers,
+            first_chunks=first_chunks,
+            tables=[self.tables[rid] for rid in rids],
+            block_size=self.block_size,
+        )
+
     def write(
         self, layer: int, keys: mx.array, values: mx.array, context: PagedDecodeContext
     ) -> tuple[mx.array, mx.array]:
         """Write the step's new ``[B, H_kv, L, D]`` keys/values of ``layer`` at the context's
-        slots (one scatter per pool, in place); return the layer's pools as the op reads them,
+        slots (one scatter per pool, in place; a ``PagedPackedContext``'s ``[N, H_kv, 1, D]``
+        tokens alike); return the layer's pools as the op reads them,
         ``[N, block_size, H_kv, D]``."""
         self._ensure_pools(layer, keys, values)
         # Updates [B, L, H_kv, D] for the broadcast [B, L] (block, row) pairs.

@@ -85,7 +85,9 @@ class RingSlotKVCache(SlotBuffers):
                 f"(its ring_sizes are {sorted(context.rings)})"
             )
         self.reserve(context.batch_size, ring.max_len, keys, values)
-        return self.scatter(context.rows, ring.new_slots, ring.max_len, keys, values)
+        return self.scatter(
+            context.rows, ring.new_slots, context.batch_size, ring.max_len, keys, values
+        )
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s ring, which holds its first ``length`` positions' last ``R``,

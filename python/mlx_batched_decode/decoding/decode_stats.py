@@ -44,13 +44,16 @@ class RequestTiming:
 class DecodeStats:
     """Work a ``BatchedDecoder`` has done since it was made: prefill and decode, counted apart.
 
-    ``steps`` counts decode steps (speculative rounds with a draft model; the draft's forward
-    passes are part of their time). ``draft_tokens`` counts the draft tokens proposed
-    (``num_draft_tokens`` per request and round) and ``accepted_tokens`` those the target agreed
-    with, whether or not a budget or stop token then cut the request short. With
-    ``kv_layout="paged"``, ``prefix_hit_tokens`` counts the prompt tokens (of ``prompt_tokens``)
-    whose keys/values came from cached blocks instead of prefill, and ``blocks_in_use`` is the
-    number of blocks requests hold now (0 with the slot layout).
+    ``steps`` counts steps (speculative rounds with a draft model; the draft's forward passes
+    are part of their time). ``prefill_seconds`` is the time of the steps that fed prompt tokens
+    (with the decode tokens they carried too; on the seed path, of ``add_request``'s prefill),
+    ``decode_seconds`` that of the ``decode_steps`` steps that fed decode tokens alone, which
+    emitted ``decode_step_tokens`` of the ``generated_tokens``. ``draft_tokens`` counts the draft
+    tokens proposed (``num_draft_tokens`` per request and round) and ``accepted_tokens`` those
+    the target agreed with, whether or not a budget or stop token then cut the request short.
+    ``prompt_tokens`` counts the prompt tokens fed or taken from cached blocks; with
+    ``kv_layout="paged"``, ``prefix_hit_tokens`` counts those taken from cached blocks, and
+    ``blocks_in_use`` is the number of blocks requests hold now (0 with the slot layout).
 
     ``requests`` maps each request id to its ``RequestTiming``, from ``add_request`` on. Entries
     stay after a request finishes; a long-running caller pops those it has read.
@@ -61,6 +64,8 @@ class DecodeStats:
     steps: int = 0
     generated_tokens: int = 0
     decode_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_step_tokens: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -69,7 +74,8 @@ class DecodeStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        """Tokens per second of the steps that fed decode tokens alone."""
+        return self.decode_step_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     @property
     def acceptance_rate(self) -> float:

@@ -1,17 +1,22 @@
 """``BatchedDecoder``: continuous batched decoding of an unchanged mlx-lm model.
 
-Each request is prefilled on its own (all but its last prompt token), then joins the running
-batch; every decode step runs the model once over all active requests with one
-``BatchedDecodeContext`` shared by all layers. With a draft model a step is one speculative round
-(``speculative.py``): the draft proposes ``num_draft_tokens`` tokens per request and the target
-verifies them all in one forward pass, so a request gains 1 to ``num_draft_tokens + 1`` tokens per
-step. A request leaves when it reaches its ``max_tokens`` or samples a stop token; the last row's
-request then moves into the freed row (slot), so the active requests always fill rows ``0..B-1``
-and the next request reuses the free one. With ``kv_layout="paged"`` the keys/values live in the
+A request joins the batch when it is added; every step runs the model once over the running
+requests' decode tokens and chunks of the prompts being fed, first come first served, up to
+``max_step_tokens`` tokens (decode tokens always run), with one ``PackedDecodeContext`` shared
+by all layers (``_packed_step``); a request's first token comes out of the step that feeds its
+prompt's last chunk. With a draft model a step is one speculative round (``speculative.py``):
+the draft proposes ``num_draft_tokens`` tokens per running request and the target verifies them
+all in one forward pass, so a request gains 1 to ``num_draft_tokens + 1`` tokens per step. (The
+seed path, the pad-and-concatenate baseline, prefills each prompt on its own in
+``add_request`` and steps its decode tokens alone.) A request leaves when it reaches its
+``max_tokens`` or samples a stop token; the last row's request then moves into the freed row
+(slot), so the active requests always fill rows ``0..B-1`` and the next request reuses the free
+one. With ``kv_layout="paged"`` the keys/values live in the
 blocks of a ``PagedKVCache`` instead (``paged_served_model.py``): nothing moves when a request
 leaves, requests whose prompts start alike share the cached blocks of that prefix, and a request
-the block budget cannot hold yet waits until others leave. ``cancel`` drops a queued or running
-request at once; ``stats.requests`` times each request's tokens (``RequestTiming``).
+the block budget cannot hold yet waits until others leave. ``cancel`` drops a queued,
+prefilling or running request at once; ``stats.requests`` times each request's tokens
+(``RequestTiming``).
 
 Dimension legend: B = requests in the step, V = vocabulary size.
 """
@@ -30,10 +35,12 @@ from ..caches.paged_kv_cache import DEFAULT_POOL_LAYOUT, POOL_LAYOUTS, PagedKVCa
 from ..caches.quantized_kv_cache import check_quantization
 from ..tools.progress import ProgressBar
 from .decode_stats import DecodeStats, RequestTiming
+from ..caches.prefix_hashes import block_hashes
 from .paged_served_model import PagedServedModel
+from .prefill import layer_windows
 from .sampling import Sampler
 from .served_model import ServedModel, SlotCache
-from .speculative import speculative_round
+from .speculative import PackedRound, packed_round, speculative_round
 
 
 class StepResult(NamedTuple):
@@ -54,6 +61,12 @@ class _Request:
     seq_len: int
     next_token: int
     tokens: list[int] = field(default_factory=list)
+    # Packed steps: the whole prompt, fed in chunks; seq_len counts its tokens cached so far.
+    prompt: list[int] = field(default_factory=list)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.seq_len < len(self.prompt)
 
 
 class BatchedDecoder:
@@ -68,11 +81,12 @@ class BatchedDecoder:
             speculatively, ``num_draft_tokens`` draft tokens per request and step.
         num_draft_tokens: k >= 1, draft tokens per request per step (with ``draft_model``).
         attention: ``"slot"`` (default: ``SlotKVCache`` + ``batched_decode_attention``, zero
-            copy; a sliding-window layer keeps only its last ``window + k`` positions per
-            request in a ``RingSlotKVCache``, k = ``num_draft_tokens`` with a draft model, else
-            0) or ``"seed"`` (per-request ``ContiguousKVCache``, pad, concatenate, masked SDPA).
+            copy; a sliding-window layer keeps only its last ``window + max(c - 1, k)`` positions
+            per request in a ``RingSlotKVCache``, c the longest prompt chunk a step feeds it,
+            k = ``num_draft_tokens`` with a draft model, else 0) or ``"seed"`` (per-request
+            ``ContiguousKVCache``, pad, concatenate, masked SDPA; prompts prefilled apart).
         kv_step: the caches grow in chunks of this many positions.
-        prefill_step_size: prompt tokens per prefill forward pass.
+        prefill_step_size: prompt tokens per prefill forward pass of the seed path.
         kv_layout: ``"slot"`` (default: one cache row per request) or ``"paged"``
             (``PagedKVCache`` block pools + ``paged_decode_attention``; with ``attention="slot"``
             and no draft model).
@@ -93,6 +107,10 @@ class BatchedDecoder:
             ``kv_layout="slot"``.
         kv_group_size: elements per quantization group (32, 64 or 128; it must divide the head
             dims), with ``kv_bits``.
+        max_step_tokens: the tokens of a step (>= 1): every running request's decode tokens
+            (they always run, past it too), then chunks of the prompts being fed, first come
+            first served; where rings keep windowed layers, a request's chunk is at most the
+            smallest window.
 
     Raises ``ValueError`` (``[BatchedDecoder] ...``) for a model it cannot serve, naming why.
     """
@@ -114,6 +132,7 @@ class BatchedDecoder:
         max_cached_blocks: int = 256,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
+        max_step_tokens: int = 256,
     ):
         if kv_layout not in ("slot", "paged"):
             raise ValueError(
@@ -183,8 +202,26 @@ class BatchedDecoder:
                 max_cached_blocks=max_cached_blocks,
                 prefill_step_size=prefill_step_size,
             )
-        # Rings of windowed layers keep room for the positions a speculative round may roll back.
-        lookahead = 0 if draft_model is None else num_draft_tokens
+        if max_step_tokens < 1:
+            raise ValueError(
+                f"[BatchedDecoder] max_step_tokens must be >= 1, got {max_step_tokens}"
+            )
+        self.max_step_tokens = max_step_tokens
+        # Packed steps (decode tokens and prompt chunks in one forward pass) serve the slot and
+        # paged layouts; the seed path (the pad-and-concatenate baseline) still prefills each
+        # prompt on its own in add_request.
+        self._packed = attention == "slot"
+        # A request's chunk: at most max_step_tokens, and with rings (windowed layers of the
+        # slot layout) at most the smallest window: a ring holds the window behind its first row.
+        rings = kv_layout == "slot" and kv_bits is None
+        windows = [w for w in layer_windows(model) if w is not None and rings]
+        self._chunk_limit = min([max_step_tokens, *windows])
+        # Rings of windowed layers keep room for the positions a speculative round may roll
+        # back, or for a chunk: R = window + chunk - 1 (at most 2 x window - 1).
+        if self._packed:
+            lookahead = max(self._chunk_limit - 1, 0 if draft_model is None else num_draft_tokens)
+        else:
+            lookahead = 0 if draft_model is None else num_draft_tokens
         self._target = (
             self._paged
             if self._paged is not None
@@ -211,7 +248,7 @@ class BatchedDecoder:
                 )
         self._active: list[_Request] = []
         # Paged layout: added requests the block budget cannot hold yet, in arrival order.
-        self._waiting: deque[tuple[_Request, list[int]]] = deque()
+        self._waiting: deque[_Request] = deque()
         self._next_uid = 0
         self.stats = DecodeStats()
 
@@ -248,26 +285,39 @@ class BatchedDecoder:
     def add_request(
         self, prompt: Sequence[int], max_tokens: int, *, stop_tokens: Iterable[int] = ()
     ) -> int:
-        """Prefill ``prompt`` (token ids, at least one), add it to the running batch, return its id.
+        """Queue ``prompt`` (token ids, at least one) and return the request's id at once.
 
-        The request's first token comes out of the next ``step``; with the paged layout, a
-        request the block budget cannot hold yet waits, and its first token comes out of the
-        first ``step`` after it fits.
+        The steps that follow feed its prompt in chunks beside the running requests' tokens;
+        its first token comes out of the step that feeds its prompt's last chunk. With the
+        paged layout, a request the block budget cannot hold yet waits until it fits. (The
+        seed path prefills the prompt here, on its own.)
         """
         if len(prompt) == 0:
             raise ValueError("[BatchedDecoder] a prompt needs at least one token")
         if max_tokens < 1:
             raise ValueError(f"[BatchedDecoder] max_tokens must be >= 1, got {max_tokens}")
         prompt = [int(t) for t in prompt]
-        arrived = time.perf_counter()
-        request = _Request(
-            uid=self._next_uid,
-            max_tokens=max_tokens,
-            stop_tokens=frozenset(int(t) for t in stop_tokens),
-            seq_len=len(prompt) - 1,
-            next_token=prompt[-1],
-        )
-        self._next_uid += 1
+        request = self._new_request(prompt, max_tokens, stop_tokens)
+        if self._packed:
+            request.prompt, request.seq_len = prompt, 0
+            if self._paged is None:
+                self._active.append(request)
+            else:
+                self._waiting.append(request)
+                self._admit_waiting()
+            return request.uid
+        start = time.perf_counter()
+        for served in self._models():
+            served.admit(len(self._active), prompt[:-1])
+        self._active.append(request)
+        self.stats.prompt_tokens += len(prompt) - 1
+        self.stats.prefill_seconds += time.perf_counter() - start
+        return request.uid
+
+    def _new_request(
+        self, prompt: list[int], max_tokens: int, stop_tokens: Iterable[int]
+    ) -> _Request:
+        """A new request's state and timing, its budget checked against the block budget."""
         if self._paged is not None:
             cache = self._paged.cache
             needed = cache.blocks_for(len(prompt) - 1 + max_tokens)
@@ -277,34 +327,90 @@ class BatchedDecoder:
                     f"[BatchedDecoder] a request of {len(prompt)} prompt tokens and max_tokens="
                     f"{max_tokens} needs {needed} blocks, more than max_kv_blocks={budget}"
                 )
-            self.stats.requests[request.uid] = RequestTiming(arrived)
-            self._waiting.append((request, prompt[:-1]))
-            self._admit_waiting()
-            return request.uid
-        self.stats.requests[request.uid] = RequestTiming(arrived)
-        start = time.perf_counter()
-        for served in self._models():
-            served.admit(len(self._active), prompt[:-1])
+        request = _Request(
+            uid=self._next_uid,
+            max_tokens=max_tokens,
+            stop_tokens=frozenset(int(t) for t in stop_tokens),
+            seq_len=len(prompt) - 1,
+            next_token=prompt[-1],
+        )
+        self._next_uid += 1
+        self.stats.requests[request.uid] = RequestTiming(time.perf_counter())
+        return request
+
+    def add_prefilled_request(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        keys_values: Sequence[tuple[mx.array, mx.array]],
+        *,
+        draft_keys_values: Optional[Sequence[tuple[mx.array, mx.array]]] = None,
+        stop_tokens: Iterable[int] = (),
+    ) -> int:
+        """As ``add_request``, with the keys/values of all but the prompt's last token given:
+        per layer ``[1, H_kv, len(prompt) - 1, D]`` (RoPE applied, unquantized), the draft
+        model's in ``draft_keys_values``. The next step feeds the last token alone. Slot
+        layout only (a cache saved earlier, or a benchmark's seeded contexts)."""
+        if self._paged is not None:
+            raise ValueError("[BatchedDecoder] add_prefilled_request needs kv_layout='slot'")
+        if (draft_keys_values is None) != (self._draft is None):
+            raise ValueError(
+                "[BatchedDecoder] pass draft_keys_values exactly when decoding with a draft model"
+            )
+        lengths = {kv[0].shape[2] for kv in [*keys_values, *(draft_keys_values or ())]}
+        if len(prompt) == 0 or lengths != {len(prompt) - 1}:
+            raise ValueError(
+                f"[BatchedDecoder] the keys/values must hold the {len(prompt) - 1} positions "
+                f"before the prompt's last token, got {sorted(lengths)}"
+            )
+        if max_tokens < 1:
+            raise ValueError(f"[BatchedDecoder] max_tokens must be >= 1, got {max_tokens}")
+        prompt = [int(t) for t in prompt]
+        request = self._new_request(prompt, max_tokens, stop_tokens)
+        for served, layers_kv in zip(self._models(), (keys_values, draft_keys_values)):
+            served.load(len(self._active), layers_kv if len(prompt) > 1 else None)
+        if self._packed:
+            # The last prompt token is the one left to feed.
+            request.prompt = prompt
         self._active.append(request)
-        self.stats.prompt_tokens += len(prompt) - 1
-        self.stats.prefill_seconds += time.perf_counter() - start
         return request.uid
 
     def _admit_waiting(self) -> None:
-        """Paged layout: prefill waiting requests, first come first, while the budget holds them."""
+        """Paged layout: give waiting requests rows, first come first, while the block budget
+        holds them; a request starts past the cached blocks its prompt begins with."""
         while self._waiting:
-            request, prefilled = self._waiting[0]
-            start = time.perf_counter()
-            total_len = request.seq_len + request.max_tokens
-            hit = self._paged.admit(request.uid, prefilled, total_len)
+            request = self._waiting[0]
+            if self._awaits_shared_blocks(request):
+                return
+            # Every position but the last generated token's is written.
+            total_len = len(request.prompt) - 1 + request.max_tokens
+            hit = self._paged.admit(request.uid, request.prompt[:-1], total_len)
             if hit is None:
                 return
             self._waiting.popleft()
+            request.seq_len = hit
             self._active.append(request)
-            self.stats.prompt_tokens += len(prefilled)
+            self.stats.prompt_tokens += hit
             self.stats.prefix_hit_tokens += hit
             self.stats.blocks_in_use = self._paged.cache.blocks_in_use
-            self.stats.prefill_seconds += time.perf_counter() - start
+
+    def _awaits_shared_blocks(self, request: _Request) -> bool:
+        """Paged layout with prefix sharing: whether a prompt being fed now holds the next block
+        of ``request``'s prompt that no cached block holds yet; it then waits for that block
+        (cached as soon as it is written) instead of computing it again."""
+        cache = self._paged.cache
+        if not cache.prefix_sharing:
+            return False
+        prefix = request.prompt[:-1]
+        hashes = block_hashes(prefix, cache.block_size)
+        cached = len(cache.cached_prefix(prefix))
+        if cached == len(hashes):
+            return False
+        return any(
+            hashes[cached] in block_hashes(r.prompt[:-1], cache.block_size)
+            for r in self._active
+            if r.prefilling
+        )
 
     def step(self, sampler: Optional[Sampler] = None) -> StepResult:
         """One decode step for every active request, greedy unless ``sampler`` says otherwise:
@@ -314,6 +420,8 @@ class BatchedDecoder:
         if not self._active:
             raise ValueError("[BatchedDecoder] step() needs at least one active request")
         sampler = sampler or Sampler()
+        if self._packed:
+            return self._packed_step(sampler)
         start = time.perf_counter()
         seq_lens = [r.seq_len for r in self._active]
         next_tokens = [r.next_token for r in self._active]
@@ -329,11 +437,71 @@ class BatchedDecoder:
             proposals = spec.tokens
             self.stats.draft_tokens += spec.drafted
             self.stats.accepted_tokens += spec.accepted
-        emitted: dict[int, list[int]] = {}
-        finished_rows = []
-        for row, (request, tokens) in enumerate(zip(self._active, proposals)):
+        for request, tokens in zip(self._active, proposals):
             # Every proposed token's keys/values but the last are now in both caches.
             request.seq_len += len(tokens)
+        return self._finish_step(list(enumerate(zip(self._active, proposals))), start)
+
+    def _packed_step(self, sampler: Sampler) -> StepResult:
+        """One packed step: every running request's decode tokens (1, or k + 1 with a draft
+        model), then chunks of prompts first come first served, up to ``max_step_tokens``
+        (decode tokens always run, past it too)."""
+        start = time.perf_counter()
+        k = 0 if self._draft is None else self.num_draft_tokens
+        running = [not r.prefilling for r in self._active]
+        budget = self.max_step_tokens - (k + 1) * sum(running)
+        chunks: list[list[int]] = []
+        for request in self._active:
+            count = 0
+            if request.prefilling and budget > 0:
+                count = min(budget, self._chunk_limit, len(request.prompt) - request.seq_len)
+                budget -= count
+            chunks.append(request.prompt[request.seq_len : request.seq_len + count])
+        # A prompt's first chunk, its last token aside: over a quantized cache it attends
+        # itself unquantized, as mlx-lm's prefill does before it quantizes.
+        first_chunks = [
+            (row, min(len(chunk), len(r.prompt) - 1))
+            for row, (r, chunk) in enumerate(zip(self._active, chunks))
+            if r.seq_len == 0 and min(len(chunk), len(r.prompt) - 1) > 0
+        ]
+        # Requests whose chunk ends their prompt sample their first token.
+        ending = [
+            bool(chunk) and r.seq_len + len(chunk) == len(r.prompt)
+            for r, chunk in zip(self._active, chunks)
+        ]
+        self.stats.prompt_tokens += sum(map(len, chunks))
+        step = PackedRound(
+            next_tokens=[r.next_token if run else None for r, run in zip(self._active, running)],
+            chunks=chunks,
+            ending=ending,
+            seq_lens=[r.seq_len for r in self._active],
+            first_chunks=first_chunks,
+        )
+        if self._draft is None:
+            tokens, _, _ = packed_round(self._target, None, step, 0, sampler)
+        else:
+            tokens, drafted, accepted = packed_round(self._target, self._draft, step, k, sampler)
+            self.stats.draft_tokens += drafted
+            self.stats.accepted_tokens += accepted
+        proposals = []
+        for row, (request, chunk, out) in enumerate(zip(self._active, chunks, tokens)):
+            # Every token's keys/values but the last emitted one are now in the caches.
+            request.seq_len += len(chunk) if chunk else len(out or ())
+            if chunk and self._paged is not None:
+                # Its prompt's blocks written so far become cached prefixes at once.
+                written = min(request.seq_len, len(request.prompt) - 1)
+                self._paged.register(request.uid, request.prompt[:written])
+            if out:
+                proposals.append((row, (request, out)))
+        return self._finish_step(proposals, start, fed_prompts=any(chunks))
+
+    def _finish_step(self, proposals: list, start: float, fed_prompts: bool = False) -> StepResult:
+        """Stop tokens and budgets over ``(row, (request, tokens))`` proposals, then the
+        finished requests leave and the stats count the step (as prefill time when it
+        ``fed_prompts``)."""
+        emitted: dict[int, list[int]] = {}
+        finished_rows = []
+        for row, (request, tokens) in proposals:
             request.next_token = tokens[-1]
             out, done = [], False
             for token in tokens:
@@ -360,8 +528,14 @@ class BatchedDecoder:
         for uid in finished:
             self.stats.requests[uid].finished = end
         self.stats.steps += 1
-        self.stats.generated_tokens += sum(len(t) for t in emitted.values())
-        self.stats.decode_seconds += end - start
+        generated = sum(len(t) for t in emitted.values())
+        self.stats.generated_tokens += generated
+        if fed_prompts:
+            self.stats.prefill_seconds += end - start
+        else:
+            self.stats.decode_seconds += end - start
+            self.stats.decode_steps += 1
+            self.stats.decode_step_tokens += generated
         return StepResult(emitted, finished)
 
     def cancel(self, uid: int) -> bool:
@@ -376,7 +550,7 @@ class BatchedDecoder:
             self._remove(row)
         else:
             # Queued for the block budget: it holds nothing yet.
-            self._waiting = deque(w for w in self._waiting if w[0].uid != uid)
+            self._waiting = deque(w for w in self._waiting if w.uid != uid)
         if self._paged is not None:
             self.stats.blocks_in_use = self._paged.cache.blocks_in_use
         timing.finished = time.perf_counter()

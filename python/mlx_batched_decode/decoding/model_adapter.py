@@ -15,11 +15,9 @@ offsets, also with L > 1 tokens per request), ``update_and_fetch`` is the attent
 and ``make_mask`` returns ``None``: the causal order of the L rows, each request's length and the
 layer's window travel as the context's ``valid_lens`` and the cache's ``window``. The last call
 is a module-level function of mlx-lm that never asks its cache to attend, so ``route_attention``
-rebinds that name, in the model's own modules and only while a decode step (or a quantized
-prefill) runs, to a function that sends ``StepLayerCache`` layers (with their sinks) to our
-attention, and a prefill chunk with sinks over mlx-lm's ``QuantizedKVCache`` (which mlx-lm's
-quantized attention refuses) to ``quantized_batched_decode_attention``; every other cache goes
-to mlx-lm's original. The model's code is not changed. mlx-lm is imported lazily: the core
+rebinds that name, in the model's own modules and only while a step runs, to a function that
+sends ``StepLayerCache`` layers (with their sinks) to our attention; every other cache goes to
+mlx-lm's original. The model's code is not changed. mlx-lm is imported lazily: the core
 package does not need it.
 
 Dimension legend: B = requests in the step, L = new tokens per request in the step,
@@ -63,6 +61,7 @@ class StepLayerCache:
         self.context = context
         self.layer = layer
         self.window = window
+        self.new_keys_values: Optional[tuple[mx.array, mx.array]] = None
 
     @property
     def offset(self) -> mx.array:
@@ -76,6 +75,8 @@ class StepLayerCache:
                 f"[StepLayerCache] this step feeds {self.context.query_len} tokens per request, "
                 f"the layer got {keys.shape[2]}"
             )
+        # Kept for attend: a quantized cache's first prompt chunks attend them unquantized.
+        self.new_keys_values = (keys, values)
         return self.attention.update(self.context, self.layer, keys, values)
 
     def make_mask(
@@ -109,7 +110,14 @@ class StepLayerCache:
     ) -> mx.array:
         """``queries [B, H_q, L, D]`` -> ``[B, H_q, L, D]``; ``sinks`` ``[H_q]`` or ``None``."""
         return self.attention.attend(
-            self.context, queries, keys, values, scale=scale, window=self.window, sinks=sinks
+            self.context,
+            queries,
+            keys,
+            values,
+            scale=scale,
+            window=self.window,
+            sinks=sinks,
+            new_keys_values=self.new_keys_values,
         )
 
 
@@ -120,16 +128,57 @@ def routed_forward(
     attentions: Sequence[DecodeAttention],
     windows: list[Optional[int]],
     routed_modules: list[Any],
+    logit_rows: Optional[Sequence[int]] = None,
 ) -> mx.array:
-    """One decode step's forward pass of ``model``: int32 ``tokens [B, L]`` -> logits
-    ``[B, L, V]`` (lazy), layer ``i`` attending through ``attentions[i]`` within ``windows[i]``,
-    every layer reading the one ``context``."""
+    """One step's forward pass of ``model``: int32 ``tokens [B, L]`` -> logits ``[B, L, V]``
+    (lazy), layer ``i`` attending through ``attentions[i]`` within ``windows[i]``, every layer
+    reading the one ``context``. With ``logit_rows`` only those rows' logits, ``[R, L, V]``:
+    the model's head runs on their hidden states alone (``head_on_rows``)."""
     step_caches = [
         StepLayerCache(attention, context, layer, window)
         for layer, (attention, window) in enumerate(zip(attentions, windows))
     ]
-    with route_attention(routed_modules):
-        return model(tokens, cache=step_caches)
+    if logit_rows is None:
+        with route_attention(routed_modules):
+            return model(tokens, cache=step_caches)
+    rows = mx.array(list(logit_rows), dtype=mx.int32)
+    with route_attention(routed_modules), head_on_rows(model, rows) as selected:
+        logits = model(tokens, cache=step_caches)
+    return logits if selected else logits[rows]
+
+
+class _Rows(nn.Module):
+    """``body``, its output cut to rows ``rows``; its other attributes are ``body``'s."""
+
+    def __init__(self, body: nn.Module, rows: mx.array):
+        super().__init__()
+        self.body = body
+        self.rows = rows
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        return self.body(*args, **kwargs)[self.rows]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("body", "rows"):
+            return super().__getattr__(name)
+        return getattr(self.body, name)
+
+
+@contextmanager
+def head_on_rows(model: nn.Module, rows: mx.array) -> Iterator[bool]:
+    """While active, the model body (mlx-lm's ``model.model``, whose output its ``__call__``
+    hands to the head) returns only the hidden states of ``rows``, so that the head (the
+    vocabulary projection, the costliest matmul of a chunk) runs on those alone. Yields whether
+    the model has such a body; without one, nothing changes."""
+    body = getattr(model, "model", None)
+    if not isinstance(body, nn.Module):
+        yield False
+        return
+    model.model = _Rows(body, rows)
+    try:
+        yield True
+    finally:
+        model.model = body
 
 
 def mlx_lm_attention_modules(model: nn.Module) -> list[Any]:
@@ -155,17 +204,13 @@ def mlx_lm_attention_modules(model: nn.Module) -> list[Any]:
 
 @contextmanager
 def route_attention(python_modules: list[Any]) -> Iterator[None]:
-    """While active, ``StepLayerCache`` layers of these modules attend with our attention path,
-    and so do layers with sinks over mlx-lm's ``QuantizedKVCache`` (a chunk of a quantized
-    prefill), whose attention mlx-lm refuses."""
+    """While active, ``StepLayerCache`` layers of these modules attend with our attention
+    path."""
     from mlx_lm.models import base
-    from mlx_lm.models.cache import QuantizedKVCache
 
     original = base.scaled_dot_product_attention
 
     def routed(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, QuantizedKVCache) and sinks is not None:
-            return quantized_chunk_attention(queries, keys, values, cache, scale, mask, sinks)
         if not isinstance(cache, StepLayerCache):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         if mask is not None:
@@ -179,32 +224,3 @@ def route_attention(python_modules: list[Any]) -> Iterator[None]:
     finally:
         for python_module in python_modules:
             python_module.scaled_dot_product_attention = original
-
-
-def quantized_chunk_attention(
-    queries: mx.array,
-    keys: tuple[mx.array, mx.array, mx.array],
-    values: tuple[mx.array, mx.array, mx.array],
-    cache: Any,
-    scale: float,
-    mask: Any,
-    sinks: mx.array,
-) -> mx.array:
-    """One prefill chunk's causal attention with sinks over a ``QuantizedKVCache``: queries
-    ``[1, H_q, L, D]`` over the triples ``[1, H_kv, T, *]`` it returned, whose last L positions
-    are the chunk's (the op's L rows); ``mask`` must be mlx-lm's causal one."""
-    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
-        raise ValueError(
-            "[BatchedDecoder] a quantized prefill with attention sinks supports causal masks only"
-        )
-    lengths = mx.array([keys[0].shape[2]], dtype=mx.int32)
-    return mlx_batched_decode.quantized_batched_decode_attention(
-        queries,
-        keys,
-        values,
-        lengths,
-        group_size=cache.group_size,
-        bits=cache.bits,
-        scale=scale,
-        sinks=sinks,
-    )

@@ -70,28 +70,22 @@ class PagedServedModel:
         # rows[b]: the request id decoding in row b of every step.
         self.rows: list[int] = []
 
-    def admit(self, uid: int, prompt: Sequence[int], total_len: int) -> Optional[int]:
-        """Prefill ``prompt`` (token ids, may be empty) for request ``uid`` into the next row,
-        reserving blocks for ``total_len`` positions in all.
+    def admit(self, uid: int, prefix: Sequence[int], total_len: int) -> Optional[int]:
+        """Give request ``uid`` the next row, reserving blocks for ``total_len`` positions in
+        all, and the cached blocks of the longest start of ``prefix`` (token ids) they hold.
 
-        Returns how many leading prompt tokens came from cached blocks (not prefilled), or
+        Returns how many leading tokens came from cached blocks (the steps feed the rest), or
         ``None`` when the block budget cannot hold the request now (nothing done).
         """
-        prompt = list(prompt)
-        hit = self.cache.admit(uid, prompt, total_len)
-        if hit is None:
-            return None
-        if hit < len(prompt):
-            prefix = self.cache.prefix_keys_values(uid, hit) if hit else None
-            layers_kv = prefill(self.model, prompt[hit:], self.prefill_step_size, prefix)
-            self.cache.write_prompt(
-                uid, hit, [(k[:, :, hit:], v[:, :, hit:]) for k, v in layers_kv]
-            )
-        self.cache.register_prompt(uid, prompt)
-        # Evaluate the writes now: prefill time stays out of the next step's time.
-        mx.eval(self.cache_arrays())
-        self.rows.append(uid)
+        hit = self.cache.admit(uid, list(prefix), total_len)
+        if hit is not None:
+            self.rows.append(uid)
         return hit
+
+    def register(self, uid: int, tokens: Sequence[int]) -> None:
+        """``tokens``, now written at positions 0.. of ``uid``: its full blocks become cached
+        prefixes later requests may share."""
+        self.cache.register_prompt(uid, tokens)
 
     def release(self, row: int, last: int) -> None:
         """Request of row ``row`` leaves (its blocks go back); row ``last``'s request moves
@@ -108,6 +102,24 @@ class PagedServedModel:
         return routed_forward(
             self.model, tokens, context, attentions, self.windows, self.routed_modules
         )
+
+    def forward_packed(
+        self,
+        tokens: mx.array,
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        logit_rows: Sequence[int],
+        first_chunks: Sequence[tuple[int, int]] = (),
+    ) -> mx.array:
+        """As ``ServedModel.forward_packed``, the tokens' keys/values written into the rows'
+        blocks."""
+        context = self.cache.packed_context(self.rows, seq_lens, query_lens, first_chunks)
+        attentions = [self.attention] * len(self.windows)
+        logits = routed_forward(
+            self.model, tokens[:, None], context, attentions, self.windows, self.routed_modules,
+            logit_rows,
+        )
+        return logits[:, 0]
 
     def cache_arrays(self) -> list[mx.array]:
         """Every pool: evaluating them runs pending writes."""

@@ -5,25 +5,19 @@ make_prompt_cache`` builds for it, exactly as mlx-lm's ``generate_step`` does: `
 full-attention layers and ``RotatingKVCache(max_size=window)`` for sliding-window layers, whose
 masks mlx-lm builds itself. A rotating cache keeps only the last tokens, in rotated order;
 ``layer_keys_values`` puts them back in temporal order at their absolute positions, so every
-layer's keys/values come out as one ``[1, H_kv, P, D]`` array per prompt of P tokens. With
-``kv_bits``, full-attention layers switch to mlx-lm's ``QuantizedKVCache`` after every chunk, as
-``generate_step(kv_bits=..., quantized_kv_start=0)`` does, and every layer's keys/values come out
-as ``mx.quantize`` triples. mlx-lm is imported lazily: the core package does not need it.
+layer's keys/values come out as one ``[1, H_kv, P, D]`` array per prompt of P tokens. The seed
+path prefills its prompts this way; the zero-copy paths feed prompts through the decoder's
+packed steps. mlx-lm is imported lazily: the core package does not need it.
 
 Dimension legend: H_kv = key/value heads, P = prefilled tokens, D = head dimension.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-
-# A layer's prefilled keys or values: one array, or the (packed, scales, biases) of mx.quantize.
-Prefilled = Union[mx.array, tuple[mx.array, mx.array, mx.array]]
-
 
 def prompt_caches(model: nn.Module) -> list[Any]:
     """mlx-lm's own per-layer caches for one prompt; ValueError naming any kind we cannot serve.
@@ -60,19 +54,14 @@ def layer_windows(model: nn.Module) -> list[Optional[int]]:
     ]
 
 
-def layer_keys_values(cache: Any) -> tuple[Prefilled, Prefilled]:
-    """A prefilled mlx-lm cache's keys and values ``[1, H_kv, offset, D]`` in temporal order
-    (a ``QuantizedKVCache``'s as triples of ``[1, H_kv, offset, *]``).
+def layer_keys_values(cache: Any) -> tuple[mx.array, mx.array]:
+    """A prefilled mlx-lm cache's keys and values ``[1, H_kv, offset, D]`` in temporal order.
 
     Positions a ``RotatingKVCache`` no longer holds are zeros: they are older than its window,
     which covers every later token's window, so attention never reads them.
     """
-    from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
+    from mlx_lm.models.cache import RotatingKVCache
 
-    if isinstance(cache, QuantizedKVCache):
-        return tuple(
-            tuple(x[:, :, : cache.offset] for x in triple) for triple in (cache.keys, cache.values)
-        )
     if not isinstance(cache, RotatingKVCache):
         return cache.keys[:, :, : cache.offset], cache.values[:, :, : cache.offset]
     keys, values, offset, _, _, idx = cache.state
@@ -96,10 +85,7 @@ def prefill(
     tokens: list[int],
     step_size: int,
     prefix: Optional[list[tuple[mx.array, mx.array]]] = None,
-    *,
-    kv_bits: Optional[int] = None,
-    kv_group_size: int = 64,
-) -> list[tuple[Prefilled, Prefilled]]:
+) -> list[tuple[mx.array, mx.array]]:
     """Run ``tokens`` through the model with mlx-lm's own caches, ``step_size`` tokens at a time.
 
     ``prefix``: each layer's keys/values ``[1, H_kv, C, D]`` of C tokens already computed
@@ -109,43 +95,12 @@ def prefill(
     Returns each layer's keys and values ``[1, H_kv, C + len(tokens), D]``
     (``layer_keys_values``). Like mlx-lm's ``generate_step``, callers prefill all but the last
     prompt token, which then enters decoding.
-
-    With ``kv_bits``, as ``generate_step(kv_bits=kv_bits, kv_group_size=kv_group_size,
-    quantized_kv_start=0)``: each ``KVCache`` becomes a ``QuantizedKVCache`` after
-    every chunk, so the next chunk attends quantized keys, and each layer's keys and values are
-    returned as ``mx.quantize`` triples; a sliding-window layer's, which mlx-lm does not quantize
-    (``RotatingKVCache.to_quantized`` is not implemented), are quantized once at the end. A layer
-    with attention sinks attends its quantized cache with ``quantized_batched_decode_attention``
-    (mlx-lm's quantized attention refuses sinks).
     """
-    from mlx_lm.models.cache import KVCache
-
-    from .model_adapter import mlx_lm_attention_modules, route_attention
-
     caches = prompt_caches(model)
-    # Quantized, layers with sinks attend through our op: mlx-lm's quantized attention refuses them.
-    routing = route_attention(mlx_lm_attention_modules(model)) if kv_bits else nullcontext()
     if prefix is not None:
         for cache, (keys, values) in zip(caches, prefix):
             cache.update_and_fetch(keys, values)
-    with routing:
-        for start in range(0, len(tokens), step_size):
-            model(mx.array(tokens[start : start + step_size], dtype=mx.int32)[None], cache=caches)
-            if kv_bits is not None:
-                caches = [
-                    c.to_quantized(group_size=kv_group_size, bits=kv_bits)
-                    if type(c) is KVCache
-                    else c
-                    for c in caches
-                ]
-            mx.eval([c.state for c in caches])
-    layers = [layer_keys_values(c) for c in caches]
-    if kv_bits is None:
-        return layers
-
-    def quantized(x: Prefilled) -> Prefilled:
-        if isinstance(x, tuple):
-            return x
-        return tuple(mx.quantize(x, group_size=kv_group_size, bits=kv_bits))
-
-    return [(quantized(keys), quantized(values)) for keys, values in layers]
+    for start in range(0, len(tokens), step_size):
+        model(mx.array(tokens[start : start + step_size], dtype=mx.int32)[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    return [layer_keys_values(c) for c in caches]

@@ -11,16 +11,15 @@ and layer on the seed path.
 each through one of these.
 
 A windowed layer's ring keeps ``R = window + lookahead`` positions per request, ``lookahead``
-being the draft tokens of a speculative round (0 without a draft model). That is what a round
-needs: the target's L = k + 1 rows at ``s .. s + k`` read keys from ``s - window + 1`` on,
-``window + k`` positions at once; and a round's writes at ``s .. s + k`` (the draft's one by one,
-the target's at once) overwrite positions ``s - window - k .. s - window`` only, older than any
-key the next round reads once it restarts at ``s' >= s + 1`` after rejected tokens
-(``s' - window + 1`` on). A prompt of P tokens leaves its last R positions in the ring; its first
-step reads from ``P - window + 1``.
+being the most a step writes past a row's window: ``c - 1`` for a prompt chunk of c tokens (its
+first row reads keys from a window behind it) and the draft tokens k of a speculative round.
+The target's L = k + 1 rows at ``s .. s + k`` read keys from ``s - window + 1`` on, ``window + k``
+positions at once; and a round's writes at ``s .. s + k`` (the draft's one by one, the target's
+at once) overwrite positions ``s - window - k .. s - window`` only, older than any key the next
+round reads once it restarts at ``s' >= s + 1`` after rejected tokens (``s' - window + 1`` on).
 
-Dimension legend: B = requests in the step, L = new tokens per request in the step,
-V = vocabulary size.
+Dimension legend: B = requests in the step, L = new tokens per request in the step, N = tokens
+of a packed step, V = vocabulary size.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from ..attention.seed import SeedAttention
 from ..attention.slot import QuantizedSlotAttention, SlotAttention
 from ..caches.context import BatchedDecodeContext
 from ..caches.kv_cache import ContiguousKVCache, SlotKVCache
+from ..caches.packed_context import PackedDecodeContext
 from ..caches.quantized_kv_cache import QuantizedSlotKVCache
 from ..caches.ring_kv_cache import RingSlotKVCache
 from .model_adapter import mlx_lm_attention_modules, routed_forward
@@ -120,19 +120,25 @@ class ServedModel:
                     )
 
     def admit(self, row: int, prompt: Sequence[int]) -> None:
-        """Prefill ``prompt`` (token ids, may be empty) into row ``row``, the next free one."""
-        layers_kv = None
-        if prompt:
-            layers_kv = prefill(
-                self.model,
-                list(prompt),
-                self.prefill_step_size,
-                kv_bits=self.kv_bits,
-                kv_group_size=self.kv_group_size,
+        """The seed path: prefill ``prompt`` (token ids, may be empty) with mlx-lm's own caches
+        into row ``row``, the next free one."""
+        layers_kv = prefill(self.model, list(prompt), self.prefill_step_size) if prompt else None
+        self.load(row, layers_kv)
+
+    def load(self, row: int, layers_kv: Optional[Sequence[tuple[mx.array, mx.array]]]) -> None:
+        """Store each layer's keys/values ``[1, H_kv, P, D]`` of a request's first P positions
+        (``None``: no position yet) into row ``row``, the next free one; quantized first with
+        ``kv_bits``."""
+        if layers_kv is not None and len(layers_kv) != self.num_layers:
+            raise ValueError(
+                f"[BatchedDecoder] need keys/values for {self.num_layers} layers, got "
+                f"{len(layers_kv)}"
             )
         if self.slot_caches is not None:
             if layers_kv is not None:
                 for cache, (keys, values) in zip(self.slot_caches, layers_kv):
+                    if isinstance(cache, QuantizedSlotKVCache):
+                        keys, values = cache.quantize(keys), cache.quantize(values)
                     cache.write_prompt(row, keys, values)
             written = self.slot_caches
         else:
@@ -142,7 +148,7 @@ class ServedModel:
                     cache.update_and_fetch(keys, values)
             self.seed_rows.append(caches)
             written = caches
-        # Evaluate the copies now: prefill time stays out of the next step's time.
+        # Evaluate the copies now: their time stays out of the next step's.
         mx.eval([(c.keys, c.values) for c in written if c.keys is not None])
 
     def release(self, row: int, last: int, length: int) -> None:
@@ -170,6 +176,27 @@ class ServedModel:
         return routed_forward(
             self.model, tokens, context, self.attentions, self.windows, self.routed_modules
         )
+
+    def forward_packed(
+        self,
+        tokens: mx.array,
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        logit_rows: Sequence[int],
+        first_chunks: Sequence[tuple[int, int]] = (),
+    ) -> mx.array:
+        """One packed step: int32 ``tokens [N]``, request ``b``'s ``query_lens[b]`` of them at
+        positions ``seq_lens[b] ..`` -> the logits ``[len(logit_rows), V]`` (lazy) of the
+        tokens at packed rows ``logit_rows``. Writes every token's keys/values.
+        ``first_chunks``: as ``PackedDecodeContext``'s."""
+        context = PackedDecodeContext(
+            seq_lens, query_lens, self.slot_caches, self.ring_sizes, first_chunks
+        )
+        logits = routed_forward(
+            self.model, tokens[:, None], context, self.attentions, self.windows,
+            self.routed_modules, logit_rows,
+        )
+        return logits[:, 0]
 
     def cache_arrays(self) -> list[mx.array]:
         """Every K/V buffer of the active requests: evaluating them runs pending writes of a
