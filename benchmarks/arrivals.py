@@ -184,3 +184,33 @@ def run_scenarios(decoder_factory, model, seed=0, rate=0.5, stream=None):
     print(f"prefill: {tokens / run.seconds:.0f} prompt tok/s, mlx-lm batch_generate {tokens / peer:.0f}",
           file=stream, flush=True)
     return rows
+
+
+def budget_sweep(decoder_factory, budgets, seed=0, decoding=4, stream=None):
+    """Per ``max_step_tokens`` budget: the median time of a decode step of ``decoding`` requests
+    and of a step that also feeds a long prompt's chunk (the rest of the budget), and the prompt
+    tokens/s of those steps: the gap a running request sees while a prompt arrives."""
+    stream = stream or sys.stderr
+    vocab = CONFIG["vocab_size"]
+    rng = np.random.default_rng(seed)
+    rows = []
+    for budget in budgets:
+        decoder = decoder_factory(budget)
+        uids = [decoder.add_request(random_prompt(rng, 64, vocab), 10**6) for _ in range(decoding)]
+        while any(decoder.stats.requests[u].first_token is None for u in uids):
+            decoder.step()  # the short prompts
+
+        def timed_step():
+            start = time.perf_counter()
+            decoder.step()
+            return time.perf_counter() - start
+
+        decode = float(np.median([timed_step() for _ in range(5)]))
+        decoder.add_request(random_prompt(rng, 4 * budget, vocab), 1)
+        mixed = float(np.median([timed_step() for _ in range(3)]))
+        chunk = budget - decoding
+        rows.append({"budget": budget, "decode_ms": decode * 1e3, "mixed_ms": mixed * 1e3,
+                     "gap_over_decode": mixed / decode, "chunk": chunk, "prompt_tok_s": chunk / mixed})
+        print(f"budget {budget}: decode step {decode * 1e3:.1f} ms, with a {chunk}-token chunk "
+              f"{mixed * 1e3:.0f} ms ({chunk / mixed:.0f} prompt tok/s)", file=stream, flush=True)
+    return rows

@@ -17,8 +17,8 @@ Contexts are not prefilled: on this machine, prefilling one 2048-token prompt to
 these heads (measured with hidden 512), so 32 prompts of up to 4096 tokens per path would take
 hours. Each request instead starts from a cache of its context length
 filled with seeded random keys/values, the same for every path: the decoders get it through
-their own cache-loading code (``BatchedDecoder.add_request``, with the prefill function swapped
-for one that returns these arrays; mlx-lm's ``KVCache`` objects handed to ``BatchGenerator``).
+their own cache-loading code (``BatchedDecoder.add_prefilled_request``; mlx-lm's ``KVCache``
+objects handed to ``BatchGenerator``). The first step of ours feeds each prompt's last token.
 Decode speed depends on the context lengths, not on the cached values, and every path decodes
 from the same state, so their greedy tokens must agree token for token.
 
@@ -51,7 +51,9 @@ must agree token for token.
 With ``--arrivals`` it replays requests arriving over time through ``BatchedDecoder`` instead,
 prompts prefilled (``arrivals.py``: a burst of long prompts beside decoding requests, a seeded
 trace of 32 requests, and prefill alone against mlx-lm's ``batch_generate``), on a 2-layer Llama
-of hidden 256 (``arrivals.CONFIG``; ``results/decode_arrivals.json``).
+of hidden 256 (``arrivals.CONFIG``; ``results/decode_arrivals.json``). ``--budget-sweep`` times,
+on that model, a step of 4 requests' decode tokens and one that also feeds a prompt chunk filling
+each ``max_step_tokens`` (``results/decode_budget_sweep.json``).
 
     python benchmarks/bench_decode.py            # B in {1, 8, 32}, contexts 256-4096 (minutes)
     python benchmarks/bench_decode.py --quick    # B in {1, 8}, contexts 256-1024, 4 tokens
@@ -60,10 +62,10 @@ of hidden 256 (``arrivals.CONFIG``; ``results/decode_arrivals.json``).
     python benchmarks/bench_decode.py --speculative   # B in {1, 8}, contexts 256-1024, 16 tokens,
                                                       # k in {2, 4}, 1-layer draft, tail scale 0.05
     python benchmarks/bench_decode.py --arrivals      # burst, trace, prefill (several minutes)
+    python benchmarks/bench_decode.py --budget-sweep 64 128 256 512 1024   # step times per budget
 """
 
 import argparse
-import contextlib
 import gc
 import io
 import sys
@@ -73,7 +75,6 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-import mlx_batched_decode.decoding.served_model as served_model_module
 from mlx_batched_decode import BatchedDecoder, _ext
 from mlx_batched_decode.tools.progress import ProgressBar
 from mlx_batched_decode.tools.random_model import random_model
@@ -114,24 +115,6 @@ class Requests:
             for layer in range(CONFIG["num_hidden_layers"])
         ]
 
-    @contextlib.contextmanager
-    def loaded_by_decoder(self):
-        """While active, ``BatchedDecoder.add_request`` loads these caches instead of prefilling
-        (it prefills ``prompt[:-1]``, the context)."""
-        original = served_model_module.prefill
-        # A draft with fewer layers gets the first of them (it shares the target's first layers).
-        def load(model, tokens, step_size, kv_bits=None, kv_group_size=64):
-            layers = self.kv(self._index[tuple(tokens)])[: len(model.layers)]
-            if kv_bits is None:
-                return layers
-            return [tuple(quantize(x, kv_bits, kv_group_size) for x in kv) for kv in layers]
-
-        served_model_module.prefill = load
-        try:
-            yield
-        finally:
-            served_model_module.prefill = original
-
 
 def quantize(x, bits, group_size):
     """``x`` as the ``(packed, scales, biases)`` mlx-lm's ``QuantizedKVCache`` stores."""
@@ -149,8 +132,15 @@ def run_ours(
         model, attention=path, draft_model=draft, num_draft_tokens=num_draft_tokens,
         kv_bits=kv_bits, kv_group_size=kv_group_size,
     )
-    with requests.loaded_by_decoder():
-        uids = [decoder.add_request(p, max_tokens) for p in requests.prompts[:batch]]
+    # Each request's context loaded, not prefilled; a draft with fewer layers gets the first of
+    # them (it shares the target's first layers).
+    uids = [
+        decoder.add_prefilled_request(
+            p, max_tokens, requests.kv(i),
+            draft_keys_values=None if draft is None else requests.kv(i)[: len(draft.layers)],
+        )
+        for i, p in enumerate(requests.prompts[:batch])
+    ]
     name = path if draft is None else f"{path}, draft k={num_draft_tokens}"
     name = name if kv_bits is None else f"{name} {kv_bits}-bit"
     bar = ProgressBar(batch * max_tokens, f"tokens, B={batch} {name}", stream=stream)
@@ -330,6 +320,8 @@ def main():
     arrivals_group = parser.add_argument_group("requests arriving over time")
     arrivals_group.add_argument("--arrivals", action="store_true", help="replay the arrival scenarios")
     arrivals_group.add_argument("--arrival-rate", type=float, default=0.5, help="the trace's requests/s (default 0.5)")
+    arrivals_group.add_argument("--budget-sweep", type=int, nargs="+", metavar="TOKENS",
+                                help="time steps of decode tokens and a prompt chunk per max_step_tokens instead")
     args = parser.parse_args()
 
     mx.set_default_device(mx.cpu)
@@ -339,6 +331,8 @@ def main():
     max_tokens = args.max_tokens or (16 if args.speculative else 4 if args.quick else 8)
     info = machine() | {"cpu_isa": _ext.cpu_isa(), "threads": _ext.cpu_threads()}
     print(f"{info['cpu']}, {info['cores']} cores, kernel {info['cpu_isa']}")
+    if args.budget_sweep:
+        return main_budget_sweep(args, info)
     if args.arrivals:
         return main_arrivals(args, info)
     print(f"model: {CONFIG}, float32, random weights (seed {args.seed})")
@@ -421,6 +415,24 @@ def main_arrivals(args, info):
     path = save(args.output or "decode_arrivals", {
         "machine": info, "config": arrivals.CONFIG, "dtype": "float32", "arrival_rate": args.arrival_rate,
         "rows": rows,
+    })
+    print(f"\nsaved {path}")
+    return 0
+
+
+def main_budget_sweep(args, info):
+    print(f"model: {arrivals.CONFIG}, float32, random weights (seed {args.seed})")
+    model = random_model(arrivals.CONFIG, seed=args.seed)
+    BatchedDecoder(model).generate([[1, 2, 3]], 2)
+    rows = arrivals.budget_sweep(lambda b: BatchedDecoder(model, max_step_tokens=b), args.budget_sweep, args.seed)
+    print()
+    print_table(rows, [
+        ("budget", "max_step_tokens", "{}"), ("decode_ms", "decode step ms", "{:.1f}"),
+        ("chunk", "chunk tokens", "{}"), ("mixed_ms", "step with chunk ms", "{:.0f}"),
+        ("gap_over_decode", "x decode step", "{:.1f}"), ("prompt_tok_s", "prompt tok/s", "{:.0f}"),
+    ])
+    path = save(args.output or "decode_budget_sweep", {
+        "machine": info, "config": arrivals.CONFIG, "dtype": "float32", "rows": rows,
     })
     print(f"\nsaved {path}")
     return 0

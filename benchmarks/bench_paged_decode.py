@@ -15,8 +15,10 @@ requests in three ways:
   two pool layouts.
 
 All prompts are ``--prefix`` shared tokens followed by ``--own`` tokens of their own. The B
-requests are added at once (all prefilled, ``prefill s``), then decoded together for
-``--max-tokens`` greedy tokens each (``tok/s`` = generated tokens / time of the decode steps).
+requests are added at once and decoded for ``--max-tokens`` greedy tokens each: ``prefill s`` is
+the time of the steps that fed prompt chunks (beside the decode tokens of requests whose prompts
+were in), ``tok/s`` the tokens / time of the steps of decode tokens alone (``DecodeStats``); with
+the paged layout a request waits for the prefix blocks an earlier prompt is writing.
 ``shared items``: work items in which the CPU kernel read blocks shared by several requests once
 for all of them (its cells are 512 keys, so only a prefix of 512 tokens or more is read once).
 The runs alternate in order over ``--repeats`` rounds (default 1: on this machine one slot
@@ -144,7 +146,7 @@ def main():
     for row in rows:
         row["prefill_speedup"] = slot["prefill_s"] / row["prefill_s"]
         row["decode_speedup"] = row["tok_s"] / slot["tok_s"]
-    print("\nPrefill of all B prompts, then decode of all B requests together (medians):")
+    print("\nSteps that fed prompts, then steps of decode tokens alone (medians):")
     print_table(
         rows,
         [

@@ -6,8 +6,9 @@ Two layouts decode the same requests from the same state, greedy:
   requests' positions (built by swapping the ring classes for the slot ones while the decoder
   is made);
 - ``rings``: ``BatchedDecoder`` as it is: the full-attention layer a ``SlotKVCache``, every
-  sliding-window layer a ``RingSlotKVCache`` of ``window`` positions per request, read through
-  ``ring_offset``.
+  sliding-window layer a ``RingSlotKVCache`` of ``window + chunk - 1`` positions per request
+  (room for a prompt chunk of up to ``min(max_step_tokens, window)`` tokens behind its window),
+  read through ``ring_offset``.
 
 The model (``CONFIG``): Gemma 3's layer pattern (5 sliding-window layers of window 1024, then a
 global one) and its 4B attention (H_q 8, H_kv 4, head dim 256, query scale 256 ** -0.5) in 6
@@ -16,14 +17,15 @@ bfloat16 the tokens of the two layouts part after about 20 (the op sums a window
 another order, a float32 difference of about 3e-8 that now and then crosses a bfloat16 rounding
 step; with the ring unrolled into time order first they are identical), and the check below is
 for identical tokens. The bytes scale with the dtype; their ratio does not.
-Contexts are loaded, not prefilled (as in ``bench_decode.py``): each request's prefill is swapped
-for seeded random keys/values of its context length in every layer, the same for both layouts.
+Contexts are loaded, not prefilled (as in ``bench_decode.py``): each request starts from seeded
+random keys/values of its context length in every layer (``add_prefilled_request``), the same
+for both layouts.
 
 ``KV MiB`` is the bytes of every layer's cache buffers after the run (``nbytes``), ``peak MiB``
 MLX's peak memory over the decode steps (the caches, the weights and a step's arrays),
 ``tok/s`` generated tokens / time of the decode steps; ``steady tok/s`` leaves out the first
 step, in which a cache of every position grows past the 8192 prompt positions (one copy of its
-buffers) while a ring of 1024 is already full size. Every request's tokens must be the same
+buffers) while a ring is already full size. Every request's tokens must be the same
 in both layouts, or the script exits with status 1 after saving.
 
     python benchmarks/bench_ring_memory.py           # B 4, contexts 8192, 32 tokens
@@ -74,37 +76,22 @@ def every_position():
         served_model_module.RingSlotKVCache, served_model_module.RingSlotAttention = saved
 
 
-@contextlib.contextmanager
-def loaded_contexts(seed):
-    """While active, a request's prefill returns seeded random keys/values ``[1, H_kv, P, D]``
-    for every layer, P its context length (``BatchedDecoder`` prefills all but the prompt's
-    last token)."""
-    original = served_model_module.prefill
-    shape = (2, 1, CONFIG["num_key_value_heads"], None, CONFIG["head_dim"])
-
-    def load(model, tokens, step_size, kv_bits=None, kv_group_size=64):
-        base = seed * 10**6 + len(tokens) * 100 + tokens[0]
-        return [
-            tuple(
-                mx.random.normal(shape[:3] + (len(tokens),) + shape[4:], key=mx.random.key(base + layer))
-                .astype(DTYPE)
-            )
-            for layer in range(len(model.layers))
-        ]
-
-    served_model_module.prefill = load
-    try:
-        yield
-    finally:
-        served_model_module.prefill = original
+def context(model, prompt, seed):
+    """Seeded random keys/values ``[1, H_kv, P, D]`` for every layer, P the prompt's context
+    (all but its last token)."""
+    base = seed * 10**6 + (len(prompt) - 1) * 100 + prompt[0]
+    shape = (2, 1, CONFIG["num_key_value_heads"], len(prompt) - 1, CONFIG["head_dim"])
+    return [
+        tuple(mx.random.normal(shape, key=mx.random.key(base + layer)).astype(DTYPE))
+        for layer in range(len(model.layers))
+    ]
 
 
 def run(model, prompts, max_tokens, seed, layout):
     """(tokens per request, KV bytes, peak bytes over the decode steps, seconds of each step)."""
     with layout():
         decoder = BatchedDecoder(model)
-    with loaded_contexts(seed):
-        uids = [decoder.add_request(p, max_tokens) for p in prompts]
+    uids = [decoder.add_prefilled_request(p, max_tokens, context(model, p, seed)) for p in prompts]
     tokens = {uid: [] for uid in uids}
     mx.reset_peak_memory()
     times = []
