@@ -15,6 +15,18 @@ from .context import BatchedDecodeContext
 from .packed_context import PackedDecodeContext
 
 
+def padded_tables(owner: str, tables: Sequence[Sequence[int]], batch_size: int) -> mx.array:
+    """int32 ``[B, M]``: one block table per request, padded with ``-1`` (never read: past the
+    request's length)."""
+    if len(tables) != batch_size:
+        raise ValueError(
+            f"[{owner}] need one block table per request, got {len(tables)} for {batch_size} "
+            "requests"
+        )
+    width = max(len(t) for t in tables)
+    return mx.array([list(t) + [-1] * (width - len(t)) for t in tables], dtype=mx.int32)
+
+
 @dataclass
 class PagedDecodeContext(BatchedDecodeContext):
     """A ``BatchedDecodeContext`` whose requests keep their keys/values in the blocks of a
@@ -41,15 +53,7 @@ class PagedDecodeContext(BatchedDecodeContext):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.tables) != self.batch_size:
-            raise ValueError(
-                f"[PagedDecodeContext] need one block table per request, got {len(self.tables)} "
-                f"for {self.batch_size} requests"
-            )
-        width = max(len(t) for t in self.tables)
-        self.block_tables = mx.array(
-            [list(t) + [-1] * (width - len(t)) for t in self.tables], dtype=mx.int32
-        )
+        self.block_tables = padded_tables("PagedDecodeContext", self.tables, self.batch_size)
         positions = [[s + i for i in range(self.query_len)] for s in self.seq_lens]
         self.write_blocks = mx.array(
             [[t[p // self.block_size] for p in row] for t, row in zip(self.tables, positions)],
@@ -79,15 +83,7 @@ class PagedPackedContext(PackedDecodeContext):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if len(self.tables) != self.batch_size:
-            raise ValueError(
-                f"[PagedPackedContext] need one block table per request, got {len(self.tables)} "
-                f"for {self.batch_size} requests"
-            )
-        width = max(len(t) for t in self.tables)
-        self.block_tables = mx.array(
-            [list(t) + [-1] * (width - len(t)) for t in self.tables], dtype=mx.int32
-        )
+        self.block_tables = padded_tables("PagedPackedContext", self.tables, self.batch_size)
         blocks, rows = [], []
         for table, start, count in zip(self.tables, self.seq_lens, self.query_lens):
             for p in range(start, start + count):
