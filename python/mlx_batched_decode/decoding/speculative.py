@@ -120,7 +120,7 @@ def packed_round(
     if draft is not None:
         counts = [1 if t is not None else len(c) for t, c in zip(step.next_tokens, step.chunks)]
         ends = list(itertools.accumulate(counts))
-        tokens = _pack(step, [firsts[i : i + 1] for i in range(len(running))])
+        tokens = _pack(step, firsts[:, None])
         for j in range(k + 1):
             rows = [ends[b] - 1 for b in running] if j == 0 else list(range(len(running)))
             seq_lens = [
@@ -147,7 +147,7 @@ def packed_round(
             logit_rows += range(ends[b] - count, ends[b])
         elif step.ending[b]:
             logit_rows.append(ends[b] - 1)
-    tokens = _pack(step, [proposal[i] for i in range(len(running))])
+    tokens = _pack(step, proposal)
     logits = target.forward_packed(tokens, step.seq_lens, counts, logit_rows, step.first_chunks)
     outputs = [target.cache_arrays()] + ([draft.cache_arrays()] if draft is not None else [])
     if not logit_rows:
@@ -172,9 +172,13 @@ def packed_round(
     return out, k * len(running), accepted
 
 
-def _pack(step: PackedRound, running_tokens: list[mx.array]) -> mx.array:
-    """int32 ``[N]``: each row's tokens in row order, a running request's from
-    ``running_tokens`` (in the order of the running rows), a chunk's from the host."""
+def _pack(step: PackedRound, running_tokens: Optional[mx.array]) -> mx.array:
+    """int32 ``[N]``: each row's tokens in row order, a running request's from its row of
+    ``running_tokens [R, c]`` (the running rows in order; ``None`` without any), a chunk's from
+    the host."""
+    if not any(step.chunks):
+        # Decode tokens alone: the running rows' tokens, already in order.
+        return running_tokens.reshape(-1)
     pieces, i = [], 0
     for token, chunk in zip(step.next_tokens, step.chunks):
         if token is not None:
