@@ -51,8 +51,6 @@ class PackedDecodeContext:
         rows: int32 ``[N, 1]``, each token's cache slot.
         valid_lens: int32 ``[B]``, ``seq_lens[b] + q_b``: the lengths the kernel attends over.
         max_len: the longest of them.
-        logit_rows: host ints, the packed row of the last token of each request that feeds
-            tokens, in request order: the rows whose logits the step samples.
         rings: ``{R: RingStep}`` for each of ``ring_sizes`` (``ring_step``).
         first_chunk_rows: the packed ``(start, end)`` rows of ``first_chunks``.
     """
@@ -73,7 +71,6 @@ class PackedDecodeContext:
     rows: mx.array = field(init=False)
     valid_lens: mx.array = field(init=False)
     max_len: int = field(init=False)
-    logit_rows: list[int] = field(init=False)
     rings: dict[int, RingStep] = field(init=False)
     first_chunk_rows: list[tuple[int, int]] = field(init=False)
 
@@ -104,7 +101,6 @@ class PackedDecodeContext:
         self.new_positions = self.offsets[:, None]
         self.rows = mx.array(rows, dtype=mx.int32)[:, None]
         self.valid_lens = mx.array(ends, dtype=mx.int32)
-        self.logit_rows = [starts[b + 1] - 1 for b, q in enumerate(self.query_lens) if q > 0]
         self.rings = {
             size: ring_step(size, self.max_len, self.valid_lens, self.new_positions)
             for size in self.ring_sizes
