@@ -11,7 +11,8 @@ step it sleeps until the next arrival.
 Scenarios (``run_scenarios``), each on the same random-weight model:
 
 - ``burst``: 4 requests decode, then 4 prompts of 1,800 tokens arrive at once; the decoding
-  requests' largest gap between two tokens against the median step before the burst;
+  requests' largest gap between two tokens against the median step at the full budget (the steps
+  that feed the long prompts) and the median step of decode tokens alone (before the burst);
 - ``trace``: a seeded trace of 32 requests, prompts 64-2,048 tokens, outputs 16-256 tokens,
   Poisson arrivals: total time, time to first token p50 / p99, inter-token p50 / p99;
 - ``prefill``: 8 prompts of 300-2,000 tokens arriving at once, one token each: prompt tokens/s,
@@ -156,11 +157,16 @@ def run_scenarios(decoder_factory, model, seed=0, rate=0.5, stream=None):
     step = float(np.median([b - a for a, b in probe.steps[1:]]))
     trace = burst_trace(vocab, probe.steps[0][1] + 8 * step, seed)
     burst = replay(decoder_factory(), trace)
-    one_step = float(np.median([b - a for a, b in burst.steps if b < trace[-1].at]))
+    decode_step = float(np.median([b - a for a, b in burst.steps if b < trace[-1].at]))
+    # Steps at the full budget: from the burst until the last long prompt's first token.
+    fed = max(t.first_token for t in burst.timings[len(early):]) - burst.start
+    full_step = float(np.median([b - a for a, b in burst.steps if a >= trace[-1].at and b <= fed]))
     largest = max(burst.gaps(range(len(early))))
     rows.append({"scenario": "burst", "requests": len(trace), "seconds": burst.seconds,
-                 "step_ms": one_step * 1e3, "largest_gap_s": largest, "gap_over_step": largest / one_step})
-    print(f"burst: largest gap of the decoding requests {largest:.2f} s, one step {one_step * 1e3:.1f} ms",
+                 "step_ms": decode_step * 1e3, "full_step_ms": full_step * 1e3, "largest_gap_s": largest,
+                 "gap_over_full_step": largest / full_step})
+    print(f"burst: largest gap of the decoding requests {largest:.2f} s, {largest / full_step:.2f}x the median "
+          f"step at the full budget ({full_step * 1e3:.0f} ms; decode alone {decode_step * 1e3:.1f} ms)",
           file=stream, flush=True)
 
     trace = seeded_trace(vocab, seed, rate=rate)

@@ -407,7 +407,8 @@ def main_arrivals(args, info):
     print()
     print_table(rows, [
         ("scenario", "scenario", "{}"), ("requests", "requests", "{}"), ("seconds", "seconds", "{:.1f}"),
-        ("step_ms", "step ms", "{:.1f}"), ("largest_gap_s", "largest gap s", "{:.2f}"),
+        ("step_ms", "decode step ms", "{:.1f}"), ("full_step_ms", "full step ms", "{:.0f}"),
+        ("largest_gap_s", "largest gap s", "{:.2f}"), ("gap_over_full_step", "gap / full step", "{:.2f}"),
         ("ttft_p50_s", "ttft p50 s", "{:.2f}"), ("ttft_p99_s", "ttft p99 s", "{:.2f}"),
         ("itl_p50_s", "itl p50 s", "{:.3f}"), ("itl_p99_s", "itl p99 s", "{:.3f}"),
         ("tok_s", "prompt tok/s", "{:.0f}"), ("peer_tok_s", "mlx-lm tok/s", "{:.0f}"),

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 from typing import Any, NamedTuple
 
 import mlx.core as mx

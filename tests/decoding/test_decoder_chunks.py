@@ -1,6 +1,6 @@
 """BatchedDecoder's packed steps: prompts fed in chunks beside the running requests' decode
 tokens, up to ``max_step_tokens`` a step. Greedy tokens equal mlx-lm's single-request decode
-however the prompts are cut."""
+however the prompts are cut, on the zero-copy path and on the seed path (the baseline) alike."""
 
 import pytest
 
@@ -45,26 +45,30 @@ def drive(decoder, prompts, budgets=MAX_TOKENS, joins=None):
     return produced
 
 
+@pytest.mark.parametrize("path", ["slot", "seed"])
 @pytest.mark.parametrize("budget", range(1, 18))
-def test_a_prompt_cut_at_every_position_of_a_block(model, prompts, references, budget):
+def test_a_prompt_cut_at_every_position_of_a_block(model, prompts, references, budget, path):
     """Budgets 1..17 cut the 40-token prompt, beside four others, at every offset of a
     16-position block (budgets below the decode rows included: those rows run anyway)."""
-    decoder = BatchedDecoder(model, kv_step=16, max_step_tokens=budget)
+    decoder = BatchedDecoder(model, attention=path, kv_step=16, max_step_tokens=budget)
     assert drive(decoder, prompts) == references
 
 
-def test_prompts_ending_exactly_at_the_budget(model, prompts, references):
-    # One request at a time: every prompt's last chunk ends exactly at the budget of its
-    # length, and its first token comes out of that step.
+@pytest.mark.parametrize("path", ["slot", "seed"])
+def test_prompts_ending_exactly_at_the_budget(model, prompts, references, path):
+    # One request at a time: add_request computes nothing, every prompt's last chunk ends
+    # exactly at the budget of its length, and its first token comes out of that step.
     for i, prompt in enumerate(prompts):
-        decoder = BatchedDecoder(model, kv_step=16, max_step_tokens=len(prompt))
+        decoder = BatchedDecoder(model, attention=path, kv_step=16, max_step_tokens=len(prompt))
         uid = decoder.add_request(prompt, MAX_TOKENS[i])
+        assert decoder.stats.prompt_tokens == 0 and decoder.stats.steps == 0
         result = decoder.step()
         assert result.tokens == {uid: references[i][:1]}
 
 
-def test_requests_join_and_leave_in_every_step(model, prompts, references):
-    decoder = BatchedDecoder(model, kv_step=16, max_step_tokens=7)
+@pytest.mark.parametrize("path", ["slot", "seed"])
+def test_requests_join_and_leave_in_every_step(model, prompts, references, path):
+    decoder = BatchedDecoder(model, attention=path, kv_step=16, max_step_tokens=7)
     assert drive(decoder, prompts, joins=[0, 1, 2, 3, 4]) == references
     assert decoder.num_active == 0
 
@@ -79,8 +83,8 @@ def test_decode_rows_always_run_and_prompts_wait_for_budget(model, prompts, refe
     late = decoder.add_request(prompts[2], MAX_TOKENS[2])
     while decoder.num_active > 1:
         result = decoder.step()
-        assert set(result.tokens) == {u for u in first if decoder.stats.requests[u].finished is None} | set(
-            result.finished)
+        still_running = {u for u in first if decoder.stats.requests[u].finished is None}
+        assert set(result.tokens) == still_running | set(result.finished)
         assert decoder.stats.requests[late].first_token is None
     produced = []
     while decoder.num_active:
@@ -88,8 +92,9 @@ def test_decode_rows_always_run_and_prompts_wait_for_budget(model, prompts, refe
     assert produced == references[2]
 
 
-def test_cancel_of_a_request_mid_prompt(model, prompts, references):
-    decoder = BatchedDecoder(model, kv_step=16, max_step_tokens=8)
+@pytest.mark.parametrize("path", ["slot", "seed"])
+def test_cancel_of_a_request_mid_prompt(model, prompts, references, path):
+    decoder = BatchedDecoder(model, attention=path, kv_step=16, max_step_tokens=8)
     long_uid = decoder.add_request(prompts[0], MAX_TOKENS[0])
     other = decoder.add_request(prompts[4], MAX_TOKENS[4])
     decoder.step()  # 8 of the 40 prompt tokens

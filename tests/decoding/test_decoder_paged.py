@@ -175,9 +175,15 @@ def test_requests_wait_for_the_block_budget(models, references):
     assert decoder.paged_cache.num_blocks == 14 and decoder.stats.blocks_in_use == 0
 
 
-def test_sliding_window_and_sinks_without_sharing(models, references):
-    decoder = BatchedDecoder(models["gpt_oss"], kv_layout="paged", prefix_sharing=False)
+@pytest.mark.parametrize("sharing", [True, False])
+def test_sliding_window_and_sinks(models, references, sharing):
+    """Windowed layers share prefix blocks too: the steps write every position of every
+    layer, so a cached block holds a whole prefix whatever the layer's window (16 here)."""
+    decoder = BatchedDecoder(
+        models["gpt_oss"], kv_layout="paged", block_size=8, prefix_sharing=sharing
+    )
     assert decoder.generate(PROMPTS, MAX_TOKENS, max_batch_size=4) == references["gpt_oss"]
+    assert decoder.stats.prefix_hit_tokens == (expected_hits(PROMPTS, 8) if sharing else 0)
 
 
 def test_bad_arguments_and_unsupported_combinations(models):
@@ -194,8 +200,6 @@ def test_bad_arguments_and_unsupported_combinations(models):
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=rf"^\[BatchedDecoder\] .*{message}"):
             BatchedDecoder(model, **kwargs)
-    with pytest.raises(ValueError, match=r"^\[BatchedDecoder\] prefix_sharing=True needs"):
-        BatchedDecoder(models["gpt_oss"], kv_layout="paged")
     decoder = BatchedDecoder(model, kv_layout="paged", block_size=4, max_kv_blocks=3)
     with pytest.raises(ValueError, match=r"^\[BatchedDecoder\] .* needs 4 blocks, more than"):
         decoder.add_request(list(range(10)), 4)
@@ -223,7 +227,7 @@ def test_memory_returns_after_requests_leave(models):
 def test_cached_prefix_prefill_equals_a_whole_prefill(models, family):
     """Every request's keys/values in the pools, shared blocks and its own prefill continuing
     from them, equal a prefill of its whole prompt through mlx-lm's own caches."""
-    from mlx_batched_decode.decoding.prefill import prefill
+    from tests.support.mlx_lm_prefill import prefill
 
     model = models[family]
     decoder = BatchedDecoder(model, kv_layout="paged", block_size=8)

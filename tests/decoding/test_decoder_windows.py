@@ -13,8 +13,9 @@ import mlx_batched_decode  # noqa: E402
 from mlx_batched_decode.caches.kv_cache import SlotKVCache  # noqa: E402
 from mlx_batched_decode.caches.ring_kv_cache import RingSlotKVCache  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
-from mlx_batched_decode.decoding.prefill import layer_windows, prefill  # noqa: E402
+from mlx_batched_decode.decoding.mlx_lm_caches import layer_windows  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
+from tests.support.mlx_lm_prefill import prefill  # noqa: E402
 from tests.support.mlx_lm_models import (  # noqa: E402
     GEMMA3_TEXT,
     GPT_OSS,
@@ -134,9 +135,10 @@ def test_windowed_layers_keep_a_ring_of_their_window(models, num_draft_tokens):
 
 
 def test_chunked_prefill_keeps_what_mlx_lm_keeps(models, references):
-    """Prefill in chunks of 7 and of 1 (a rotating cache then wraps around in place)."""
+    """Steps of 7 tokens and of 1 (a prompt waits while others decode; a ring then wraps
+    around within a prompt)."""
     for step in (7, 1):
-        decoder = BatchedDecoder(models["gpt_oss"], kv_step=16, prefill_step_size=step)
+        decoder = BatchedDecoder(models["gpt_oss"], kv_step=16, max_step_tokens=step)
         out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
         assert out == references["gpt_oss"]
 

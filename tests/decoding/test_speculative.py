@@ -13,7 +13,7 @@ from mlx.utils import tree_map  # noqa: E402
 import mlx_batched_decode  # noqa: E402
 import mlx_batched_decode.decoding.speculative as speculative  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
-from mlx_batched_decode.decoding.prefill import layer_windows  # noqa: E402
+from mlx_batched_decode.decoding.mlx_lm_caches import layer_windows  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from tests.support.mlx_lm_models import VOCAB, random_prompts  # noqa: E402
 from tests.decoding.test_decoder_windows import FAMILIES, build  # noqa: E402

@@ -1,7 +1,9 @@
 """``SeedAttention``: the seed design of DESIGN.md section 1, kept as the baseline.
 
 Per-request ``ContiguousKVCache``, right padding to ``max_len``, concatenation into one batch,
-an additive mask rebuilt per layer, ``mx.fast.scaled_dot_product_attention``.
+an additive mask rebuilt per layer, ``mx.fast.scaled_dot_product_attention``. A packed step
+(``PackedDecodeContext``: each request feeds its own number of tokens) is padded the same way:
+the requests that feed tokens, each one's query rows padded to the most any of them feeds.
 
 Shapes use the dimension legend of the package docstring (``mlx_batched_decode.attention``).
 """
@@ -9,6 +11,7 @@ Shapes use the dimension legend of the package docstring (``mlx_batched_decode.a
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -17,14 +20,57 @@ from ..caches.kv_cache import ContiguousKVCache
 from .base import AttendOptions, DecodeAttention
 
 
+class _PaddedStep(NamedTuple):
+    """How the seed pads a packed step of N tokens into ``[B', H, width, D]`` queries.
+
+    requests: the B' requests that feed tokens (their rows of the padded batch, in order).
+    width: the most tokens one of them feeds. max_len: the most positions one of them holds.
+    gather: int32 ``[B' * width]``, the packed row each padded query row takes (a padding row
+        repeats its request's last one). unpad: int32 ``[N]``, the padded row of each packed row.
+    query_positions: int32 ``[B', width, 1]``, each padded query row's position.
+    """
+
+    requests: list[int]
+    width: int
+    max_len: int
+    gather: mx.array
+    unpad: mx.array
+    query_positions: mx.array
+
+
+def _padded_step(context) -> _PaddedStep:
+    """The seed's padding of ``context`` (a ``PackedDecodeContext``), from its host ints."""
+    requests = [b for b, count in enumerate(context.query_lens) if count]
+    width = max(context.query_lens)
+    starts = [0]
+    for count in context.query_lens:
+        starts.append(starts[-1] + count)
+    gather, unpad, positions = [], [], []
+    for i, b in enumerate(requests):
+        count, seq_len = context.query_lens[b], context.seq_lens[b]
+        gather += [starts[b] + min(j, count - 1) for j in range(width)]
+        unpad += range(i * width, i * width + count)
+        positions.append([seq_len + min(j, count - 1) for j in range(width)])
+    return _PaddedStep(
+        requests,
+        width,
+        max(context.seq_lens[b] + context.query_lens[b] for b in requests),
+        mx.array(gather, dtype=mx.int32),
+        mx.array(unpad, dtype=mx.int32),
+        mx.array(positions, dtype=mx.int32)[:, :, None],
+    )
+
+
 class SeedAttention(DecodeAttention):
     """The seed baseline: ``context.layer_caches[layer]`` holds B ``ContiguousKVCache``."""
 
     def update(
         self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """Write each request's ``L`` tokens into its own cache at its ``seq_lens[b]`` (forgetting
-        any rejected draft tokens there), pad right, concatenate: ``[B, H_kv, max_len, D]``."""
+        """Write each request's new tokens into its own cache at its ``seq_lens[b]`` (forgetting
+        any rejected draft tokens there), pad right, concatenate: ``[B, H_kv, max_len, D]``
+        from ``[B, H_kv, L, D]``; with a packed context ``[B', H_kv, max_len, D]`` (the
+        requests that feed tokens) from the packed ``[N, H_kv, 1, D]``."""
         caches = context.layer_caches[layer]
         if (
             not isinstance(caches, (list, tuple))
@@ -34,11 +80,23 @@ class SeedAttention(DecodeAttention):
             raise TypeError(
                 f"[SeedAttention] layer {layer} needs {context.batch_size} ContiguousKVCache"
             )
+        if getattr(context, "query_starts", None) is None:
+            rows = [(b, keys[b : b + 1], values[b : b + 1]) for b in range(context.batch_size)]
+            pads = context.pad_sizes
+        else:
+            rows, start = [], 0
+            for b, count in enumerate(context.query_lens):
+                # [count, H_kv, 1, D] -> the request's [1, H_kv, count, D].
+                piece = slice(start, start + count)
+                if count:
+                    rows.append((b, keys[piece].swapaxes(0, 2), values[piece].swapaxes(0, 2)))
+                start += count
+            ends = [context.seq_lens[b] + k.shape[2] for b, k, _ in rows]
+            pads = [max(ends) - end for end in ends]
         padded_keys, padded_values = [], []
-        for b, cache in enumerate(caches):
-            cache.rewind(context.seq_lens[b])
-            k, v = cache.update_and_fetch(keys[b : b + 1], values[b : b + 1])
-            pad = context.pad_sizes[b]
+        for (b, new_keys, new_values), pad in zip(rows, pads):
+            caches[b].rewind(context.seq_lens[b])
+            k, v = caches[b].update_and_fetch(new_keys, new_values)
             if pad:
                 widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
                 k, v = mx.pad(k, widths), mx.pad(v, widths)
@@ -46,22 +104,54 @@ class SeedAttention(DecodeAttention):
             padded_values.append(v)
         return mx.concatenate(padded_keys, axis=0), mx.concatenate(padded_values, axis=0)
 
+    def attend(self, context, queries, keys, values, *, new_keys_values=None, **options):
+        """As ``DecodeAttention.attend``; a packed context's ``[N, H_q, 1, D]`` queries are
+        padded per request (``_padded_step``), attended with a mask and unpadded."""
+        if getattr(context, "query_starts", None) is None:
+            return super().attend(context, queries, keys, values, **options)
+        step = _padded_step(context)
+        n, heads, _, dim = queries.shape
+        padded = queries[step.gather, :, 0].reshape(len(step.requests), step.width, heads, dim)
+        mask = None
+        if (
+            len(step.requests) < context.batch_size
+            or step.width > 1
+            or len(set(context.seq_lens)) > 1
+            or (options.get("window") is not None and step.max_len > options["window"])
+        ):
+            keys_at = mx.arange(step.max_len, dtype=mx.int32)
+            mask = _mask(step.query_positions, keys_at, options.get("window"))
+        out = _sdpa(padded.swapaxes(1, 2), keys, values, mask, AttendOptions(**options))
+        out = out.swapaxes(1, 2).reshape(len(step.requests) * step.width, heads, -1)
+        return out[step.unpad][:, :, None]
+
     def _attend(self, context, queries, keys, values, options: AttendOptions) -> mx.array:
         """``queries [B, H_q, L, D]`` over the padded batch, each row masked to its own keys."""
-        scale = 1.0 / math.sqrt(queries.shape[-1]) if options.scale is None else options.scale
         mask = None
         if (
             context.needs_padding
             or context.query_len > 1
             or (options.window is not None and context.max_len > options.window)
         ):
-            # The seed rebuilds this additive [B, 1, L, max_len] mask in every layer: key t is
-            # visible to the row at position p when p - window < t <= p.
-            rows = context.new_positions[:, :, None]
-            visible = context.positions <= rows
-            if options.window is not None:
-                visible = visible & (context.positions > rows - options.window)
-            mask = mx.where(visible, 0.0, -mx.inf).astype(queries.dtype)[:, None]
-        return mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=mask, sinks=options.sinks
-        )
+            mask = _mask(context.new_positions[:, :, None], context.positions, options.window)
+        return _sdpa(queries, keys, values, mask, options)
+
+
+def _mask(query_positions: mx.array, keys: mx.array, window: Optional[int]) -> mx.array:
+    """The additive ``[B, 1, L, T]`` float32 mask the seed rebuilds in every layer: the key at
+    position ``t`` (``keys``, int32 ``[T]``) is visible to the query row at position ``p``
+    (``query_positions``, int32 ``[B, L, 1]``) when ``p - window < t <= p``."""
+    visible = keys <= query_positions
+    if window is not None:
+        visible = visible & (keys > query_positions - window)
+    return mx.where(visible, 0.0, -mx.inf)[:, None]
+
+
+def _sdpa(queries, keys, values, mask: Optional[mx.array], options: AttendOptions) -> mx.array:
+    """MLX's fused attention of ``queries [B, H_q, L, D]`` with the seed's mask, if any."""
+    scale = 1.0 / math.sqrt(queries.shape[-1]) if options.scale is None else options.scale
+    if mask is not None:
+        mask = mask.astype(queries.dtype)
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask, sinks=options.sinks
+    )

@@ -46,7 +46,7 @@ class DecodeStats:
 
     ``steps`` counts steps (speculative rounds with a draft model; the draft's forward passes
     are part of their time). ``prefill_seconds`` is the time of the steps that fed prompt tokens
-    (with the decode tokens they carried too; on the seed path, of ``add_request``'s prefill),
+    (with the decode tokens they carried too),
     ``decode_seconds`` that of the ``decode_steps`` steps that fed decode tokens alone, which
     emitted ``decode_step_tokens`` of the ``generated_tokens``. ``draft_tokens`` counts the draft
     tokens proposed (``num_draft_tokens`` per request and round) and ``accepted_tokens`` those

@@ -6,15 +6,14 @@ requests' decode tokens and chunks of the prompts being fed, first come first se
 by all layers (``_packed_step``); a request's first token comes out of the step that feeds its
 prompt's last chunk. With a draft model a step is one speculative round (``speculative.py``):
 the draft proposes ``num_draft_tokens`` tokens per running request and the target verifies them
-all in one forward pass, so a request gains 1 to ``num_draft_tokens + 1`` tokens per step. (The
-seed path, the pad-and-concatenate baseline, prefills each prompt on its own in
-``add_request`` and steps its decode tokens alone.) A request leaves when it reaches its
-``max_tokens`` or samples a stop token; the last row's request then moves into the freed row
-(slot), so the active requests always fill rows ``0..B-1`` and the next request reuses the free
-one. With ``kv_layout="paged"`` the keys/values live in the
-blocks of a ``PagedKVCache`` instead (``paged_served_model.py``): nothing moves when a request
-leaves, requests whose prompts start alike share the cached blocks of that prefix, and a request
-the block budget cannot hold yet waits until others leave. ``cancel`` drops a queued,
+all in one forward pass, so a request gains 1 to ``num_draft_tokens + 1`` tokens per step. Every
+attention path and cache layout runs these steps, the seed path (the pad-and-concatenate
+baseline) too. A request leaves when it reaches its ``max_tokens`` or samples a stop token; the
+last row's request then moves into the freed row (slot), so the active requests always fill rows
+``0..B-1`` and the next request reuses the free one. With ``kv_layout="paged"`` the keys/values
+live in the blocks of a ``PagedKVCache`` instead (``paged_served_model.py``): nothing moves when
+a request leaves, requests whose prompts start alike share the cached blocks of that prefix, and
+a request the block budget cannot hold yet waits until others leave. ``cancel`` drops a queued,
 prefilling or running request at once; ``stats.requests`` times each request's tokens
 (``RequestTiming``).
 
@@ -37,10 +36,10 @@ from ..tools.progress import ProgressBar
 from .decode_stats import DecodeStats, RequestTiming
 from ..caches.prefix_hashes import block_hashes
 from .paged_served_model import PagedServedModel
-from .prefill import layer_windows
+from .mlx_lm_caches import layer_windows
 from .sampling import Sampler
 from .served_model import ServedModel, SlotCache
-from .speculative import PackedRound, packed_round, speculative_round
+from .speculative import PackedRound, packed_round
 
 
 class StepResult(NamedTuple):
@@ -61,8 +60,10 @@ class _Request:
     seq_len: int
     next_token: int
     tokens: list[int] = field(default_factory=list)
-    # Packed steps: the whole prompt, fed in chunks; seq_len counts its tokens cached so far.
+    # The whole prompt, fed in chunks; seq_len counts its tokens cached so far.
     prompt: list[int] = field(default_factory=list)
+    # Paged layout with prefix sharing: the names of its prompt's full blocks, once computed.
+    block_names: Optional[list[int]] = None
 
     @property
     def prefilling(self) -> bool:
@@ -84,17 +85,15 @@ class BatchedDecoder:
             copy; a sliding-window layer keeps only its last ``window + max(c - 1, k)`` positions
             per request in a ``RingSlotKVCache``, c the longest prompt chunk a step feeds it,
             k = ``num_draft_tokens`` with a draft model, else 0) or ``"seed"`` (per-request
-            ``ContiguousKVCache``, pad, concatenate, masked SDPA; prompts prefilled apart).
+            ``ContiguousKVCache``, pad, concatenate, masked SDPA: the baseline).
         kv_step: the caches grow in chunks of this many positions.
-        prefill_step_size: prompt tokens per prefill forward pass of the seed path.
         kv_layout: ``"slot"`` (default: one cache row per request) or ``"paged"``
             (``PagedKVCache`` block pools + ``paged_decode_attention``; with ``attention="slot"``
             and no draft model).
         block_size: positions per block (paged layout).
         pool_layout: how the paged layout stores its pools: ``"token-major"`` (default) or
             ``"head-major"`` (see ``PagedKVCache``; the two measured alike).
-        prefix_sharing: share the cached blocks of equal prompt prefixes (paged layout; models
-            with full-attention layers only).
+        prefix_sharing: share the cached blocks of equal prompt prefixes (paged layout).
         max_kv_blocks: the block budget (paged layout, ``None``: unbounded). A request is
             admitted when blocks for its whole length (prompt + ``max_tokens``) can be reserved;
             until then it waits, and it never waits once decoding.
@@ -123,7 +122,6 @@ class BatchedDecoder:
         num_draft_tokens: int = 2,
         attention: str = "slot",
         kv_step: int = 256,
-        prefill_step_size: int = 2048,
         kv_layout: str = "slot",
         block_size: int = 16,
         pool_layout: str = DEFAULT_POOL_LAYOUT,
@@ -187,7 +185,6 @@ class BatchedDecoder:
         self.num_draft_tokens = num_draft_tokens
         self.attention_path = attention
         self.kv_step = kv_step
-        self.prefill_step_size = prefill_step_size
         self.kv_layout = kv_layout
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
@@ -200,45 +197,30 @@ class BatchedDecoder:
                 prefix_sharing=prefix_sharing,
                 max_blocks=max_kv_blocks,
                 max_cached_blocks=max_cached_blocks,
-                prefill_step_size=prefill_step_size,
             )
         if max_step_tokens < 1:
             raise ValueError(
                 f"[BatchedDecoder] max_step_tokens must be >= 1, got {max_step_tokens}"
             )
         self.max_step_tokens = max_step_tokens
-        # Packed steps (decode tokens and prompt chunks in one forward pass) serve the slot and
-        # paged layouts; the seed path (the pad-and-concatenate baseline) still prefills each
-        # prompt on its own in add_request.
-        self._packed = attention == "slot"
         # A request's chunk: at most max_step_tokens, and with rings (windowed layers of the
-        # slot layout) at most the smallest window: a ring holds the window behind its first row.
-        rings = kv_layout == "slot" and kv_bits is None
+        # zero-copy slot layout) at most the smallest window: a ring holds the window behind its
+        # first row.
+        rings = attention == "slot" and kv_layout == "slot" and kv_bits is None
         windows = [w for w in layer_windows(model) if w is not None and rings]
         self._chunk_limit = min([max_step_tokens, *windows])
         # Rings of windowed layers keep room for the positions a speculative round may roll
         # back, or for a chunk: R = window + chunk - 1 (at most 2 x window - 1).
-        if self._packed:
-            lookahead = max(self._chunk_limit - 1, 0 if draft_model is None else num_draft_tokens)
-        else:
-            lookahead = 0 if draft_model is None else num_draft_tokens
+        lookahead = max(self._chunk_limit - 1, 0 if draft_model is None else num_draft_tokens)
         self._target = (
             self._paged
             if self._paged is not None
-            else ServedModel(
-                model, attention, kv_step, prefill_step_size, kv_bits, kv_group_size, lookahead
-            )
+            else ServedModel(model, attention, kv_step, kv_bits, kv_group_size, lookahead)
         )
         self._draft: Optional[ServedModel] = None
         if draft_model is not None:
             self._draft = ServedModel(
-                draft_model,
-                attention,
-                kv_step,
-                prefill_step_size,
-                kv_bits,
-                kv_group_size,
-                lookahead,
+                draft_model, attention, kv_step, kv_bits, kv_group_size, lookahead
             )
             target_vocab, draft_vocab = self._target.vocab_size(), self._draft.vocab_size()
             if target_vocab != draft_vocab:
@@ -289,8 +271,7 @@ class BatchedDecoder:
 
         The steps that follow feed its prompt in chunks beside the running requests' tokens;
         its first token comes out of the step that feeds its prompt's last chunk. With the
-        paged layout, a request the block budget cannot hold yet waits until it fits. (The
-        seed path prefills the prompt here, on its own.)
+        paged layout, a request the block budget cannot hold yet waits until it fits.
         """
         if len(prompt) == 0:
             raise ValueError("[BatchedDecoder] a prompt needs at least one token")
@@ -298,20 +279,14 @@ class BatchedDecoder:
             raise ValueError(f"[BatchedDecoder] max_tokens must be >= 1, got {max_tokens}")
         prompt = [int(t) for t in prompt]
         request = self._new_request(prompt, max_tokens, stop_tokens)
-        if self._packed:
-            request.prompt, request.seq_len = prompt, 0
-            if self._paged is None:
-                self._active.append(request)
-            else:
-                self._waiting.append(request)
-                self._admit_waiting()
-            return request.uid
-        start = time.perf_counter()
-        for served in self._models():
-            served.admit(len(self._active), prompt[:-1])
-        self._active.append(request)
-        self.stats.prompt_tokens += len(prompt) - 1
-        self.stats.prefill_seconds += time.perf_counter() - start
+        request.prompt, request.seq_len = prompt, 0
+        if self._paged is None:
+            for served in self._models():
+                served.load(len(self._active), None)
+            self._active.append(request)
+        else:
+            self._waiting.append(request)
+            self._admit_waiting()
         return request.uid
 
     def _new_request(
@@ -369,9 +344,8 @@ class BatchedDecoder:
         request = self._new_request(prompt, max_tokens, stop_tokens)
         for served, layers_kv in zip(self._models(), (keys_values, draft_keys_values)):
             served.load(len(self._active), layers_kv if len(prompt) > 1 else None)
-        if self._packed:
-            # The last prompt token is the one left to feed.
-            request.prompt = prompt
+        # The last prompt token is the one left to feed.
+        request.prompt = prompt
         self._active.append(request)
         return request.uid
 
@@ -401,16 +375,17 @@ class BatchedDecoder:
         cache = self._paged.cache
         if not cache.prefix_sharing:
             return False
-        prefix = request.prompt[:-1]
-        hashes = block_hashes(prefix, cache.block_size)
-        cached = len(cache.cached_prefix(prefix))
+        hashes = self._block_names(request)
+        cached = len(cache.cached_prefix(request.prompt[:-1]))
         if cached == len(hashes):
             return False
-        return any(
-            hashes[cached] in block_hashes(r.prompt[:-1], cache.block_size)
-            for r in self._active
-            if r.prefilling
-        )
+        return any(hashes[cached] in self._block_names(r) for r in self._active if r.prefilling)
+
+    def _block_names(self, request: _Request) -> list[int]:
+        """The names of the full blocks of ``request``'s prompt but its last token."""
+        if request.block_names is None:
+            request.block_names = block_hashes(request.prompt[:-1], self._paged.cache.block_size)
+        return request.block_names
 
     def step(self, sampler: Optional[Sampler] = None) -> StepResult:
         """One decode step for every active request, greedy unless ``sampler`` says otherwise:
@@ -419,28 +394,7 @@ class BatchedDecoder:
             self._admit_waiting()
         if not self._active:
             raise ValueError("[BatchedDecoder] step() needs at least one active request")
-        sampler = sampler or Sampler()
-        if self._packed:
-            return self._packed_step(sampler)
-        start = time.perf_counter()
-        seq_lens = [r.seq_len for r in self._active]
-        next_tokens = [r.next_token for r in self._active]
-        if self._draft is None:
-            inputs = mx.array(next_tokens, dtype=mx.int32)[:, None]
-            sampled = sampler(self._target.forward(inputs, seq_lens)[:, -1, :])
-            mx.eval(sampled)
-            proposals = [[token] for token in sampled.tolist()]
-        else:
-            spec = speculative_round(
-                self._target, self._draft, next_tokens, seq_lens, self.num_draft_tokens, sampler
-            )
-            proposals = spec.tokens
-            self.stats.draft_tokens += spec.drafted
-            self.stats.accepted_tokens += spec.accepted
-        for request, tokens in zip(self._active, proposals):
-            # Every proposed token's keys/values but the last are now in both caches.
-            request.seq_len += len(tokens)
-        return self._finish_step(list(enumerate(zip(self._active, proposals))), start)
+        return self._packed_step(sampler or Sampler())
 
     def _packed_step(self, sampler: Sampler) -> StepResult:
         """One packed step: every running request's decode tokens (1, or k + 1 with a draft
@@ -495,7 +449,7 @@ class BatchedDecoder:
                 proposals.append((row, (request, out)))
         return self._finish_step(proposals, start, fed_prompts=any(chunks))
 
-    def _finish_step(self, proposals: list, start: float, fed_prompts: bool = False) -> StepResult:
+    def _finish_step(self, proposals: list, start: float, fed_prompts: bool) -> StepResult:
         """Stop tokens and budgets over ``(row, (request, tokens))`` proposals, then the
         finished requests leave and the stats count the step (as prefill time when it
         ``fed_prompts``)."""

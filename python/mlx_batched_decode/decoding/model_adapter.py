@@ -33,8 +33,6 @@ from typing import Any, Iterator, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-import mlx_batched_decode
-
 from ..attention.base import DecodeAttention
 from ..caches.context import BatchedDecodeContext
 

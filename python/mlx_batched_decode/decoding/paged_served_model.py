@@ -2,12 +2,11 @@
 
 The counterpart of ``ServedModel`` for the paged layout: every request's keys/values live in
 the blocks of one ``PagedKVCache`` shared by all layers, a decode step's block tables and write
-slots are built once (``PagedDecodeContext``) and every layer attends with
-``paged_decode_attention``. A request whose prompt starts with cached blocks takes them and
-prefills only the rest of its prompt, with the cached prefix as the context of that prefill.
+slots are built once (``PagedPackedContext``) and every layer attends with
+``paged_decode_attention``. A request whose prompt starts with cached blocks takes them, and the
+steps feed only the rest of its prompt, with the cached prefix as its context.
 
-Dimension legend: B = requests in the step, L = new tokens per request in the step,
-V = vocabulary size.
+Dimension legend: N = tokens of a packed step, V = vocabulary size.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import mlx.nn as nn
 from ..attention.paged import PagedAttention
 from ..caches.paged_kv_cache import PagedKVCache
 from .model_adapter import mlx_lm_attention_modules, routed_forward
-from .prefill import layer_windows, prefill
+from .mlx_lm_caches import layer_windows
 
 
 class PagedServedModel:
@@ -30,12 +29,10 @@ class PagedServedModel:
         model: the mlx-lm model.
         block_size: positions per block.
         pool_layout: how the pools are stored (``PagedKVCache``).
-        prefix_sharing: reuse cached prompt blocks (not for models with sliding-window layers:
-            their prefill keeps only the last window of keys, so the blocks it leaves are not
-            whole prefixes).
+        prefix_sharing: reuse cached prompt blocks (every layer's, sliding-window ones too: the
+            steps write every position's keys/values into the blocks).
         max_blocks: the block budget of the pools (``None``: unbounded).
         max_cached_blocks: the most unreferenced prompt blocks kept for later requests.
-        prefill_step_size: prompt tokens per prefill forward pass.
     """
 
     def __init__(
@@ -47,18 +44,11 @@ class PagedServedModel:
         prefix_sharing: bool,
         max_blocks: Optional[int],
         max_cached_blocks: int,
-        prefill_step_size: int,
     ):
         self.model = model
-        self.prefill_step_size = prefill_step_size
         self.attention = PagedAttention()
         self.routed_modules = mlx_lm_attention_modules(model)
         self.windows = layer_windows(model)
-        if prefix_sharing and any(w is not None for w in self.windows):
-            raise ValueError(
-                "[BatchedDecoder] prefix_sharing=True needs full-attention layers only: this "
-                "model has sliding-window layers (pass prefix_sharing=False)"
-            )
         self.cache = PagedKVCache(
             len(self.windows),
             block_size=block_size,
@@ -93,15 +83,6 @@ class PagedServedModel:
         self.cache.free(self.rows[row])
         self.rows[row] = self.rows[last]
         self.rows.pop()
-
-    def forward(self, tokens: mx.array, seq_lens: Sequence[int]) -> mx.array:
-        """One batched step: int32 ``tokens [B, L]`` at positions ``seq_lens[b] ..`` -> logits
-        ``[B, L, V]`` (lazy). Writes the tokens' keys/values into the requests' blocks."""
-        context = self.cache.context(self.rows, seq_lens, tokens.shape[1])
-        attentions = [self.attention] * len(self.windows)
-        return routed_forward(
-            self.model, tokens, context, attentions, self.windows, self.routed_modules
-        )
 
     def forward_packed(
         self,

@@ -1,4 +1,4 @@
-"""One mlx-lm model as ``BatchedDecoder`` runs it: prefill, batched forward passes, the K/V rows.
+"""One mlx-lm model as ``BatchedDecoder`` runs it: packed forward passes and the K/V rows.
 
 A ``ServedModel`` holds what decoding one model needs besides the scheduler: the Python modules
 whose attention is routed, each layer's window (from mlx-lm's own caches), and the keys/values
@@ -18,8 +18,7 @@ positions at once; and a round's writes at ``s .. s + k`` (the draft's one by on
 at once) overwrite positions ``s - window - k .. s - window`` only, older than any key the next
 round reads once it restarts at ``s' >= s + 1`` after rejected tokens (``s' - window + 1`` on).
 
-Dimension legend: B = requests in the step, L = new tokens per request in the step, N = tokens
-of a packed step, V = vocabulary size.
+Dimension legend: N = tokens of a packed step, V = vocabulary size.
 """
 
 from __future__ import annotations
@@ -33,13 +32,12 @@ from ..attention.base import DecodeAttention
 from ..attention.ring import RingSlotAttention
 from ..attention.seed import SeedAttention
 from ..attention.slot import QuantizedSlotAttention, SlotAttention
-from ..caches.context import BatchedDecodeContext
 from ..caches.kv_cache import ContiguousKVCache, SlotKVCache
 from ..caches.packed_context import PackedDecodeContext
 from ..caches.quantized_kv_cache import QuantizedSlotKVCache
 from ..caches.ring_kv_cache import RingSlotKVCache
 from .model_adapter import mlx_lm_attention_modules, routed_forward
-from .prefill import layer_windows, prefill, prompt_caches
+from .mlx_lm_caches import layer_windows, prompt_caches
 
 # A layer's cache on the zero-copy path.
 SlotCache = Union[SlotKVCache, RingSlotKVCache, QuantizedSlotKVCache]
@@ -62,14 +60,12 @@ class ServedModel:
         model: nn.Module,
         attention: str,
         kv_step: int,
-        prefill_step_size: int,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
         lookahead: int = 0,
     ):
         self.model = model
         self.kv_step = kv_step
-        self.prefill_step_size = prefill_step_size
         self.kv_bits = kv_bits
         self.kv_group_size = kv_group_size
         self.routed_modules = mlx_lm_attention_modules(model)
@@ -119,35 +115,28 @@ class ServedModel:
                         f"layer {layer}'s {name} head dim {dim}"
                     )
 
-    def admit(self, row: int, prompt: Sequence[int]) -> None:
-        """The seed path: prefill ``prompt`` (token ids, may be empty) with mlx-lm's own caches
-        into row ``row``, the next free one."""
-        layers_kv = prefill(self.model, list(prompt), self.prefill_step_size) if prompt else None
-        self.load(row, layers_kv)
-
     def load(self, row: int, layers_kv: Optional[Sequence[tuple[mx.array, mx.array]]]) -> None:
-        """Store each layer's keys/values ``[1, H_kv, P, D]`` of a request's first P positions
-        (``None``: no position yet) into row ``row``, the next free one; quantized first with
-        ``kv_bits``."""
+        """Give a new request row ``row``, the next free one, and store each layer's
+        keys/values ``[1, H_kv, P, D]`` of its first P positions there (``None``: no position
+        yet); quantized first with ``kv_bits``."""
         if layers_kv is not None and len(layers_kv) != self.num_layers:
             raise ValueError(
                 f"[BatchedDecoder] need keys/values for {self.num_layers} layers, got "
                 f"{len(layers_kv)}"
             )
-        if self.slot_caches is not None:
-            if layers_kv is not None:
-                for cache, (keys, values) in zip(self.slot_caches, layers_kv):
-                    if isinstance(cache, QuantizedSlotKVCache):
-                        keys, values = cache.quantize(keys), cache.quantize(values)
-                    cache.write_prompt(row, keys, values)
-            written = self.slot_caches
-        else:
-            caches = [ContiguousKVCache(self.kv_step) for _ in range(self.num_layers)]
-            if layers_kv is not None:
-                for cache, (keys, values) in zip(caches, layers_kv):
-                    cache.update_and_fetch(keys, values)
-            self.seed_rows.append(caches)
-            written = caches
+        if self.slot_caches is None:
+            # The seed path: the request's own caches, one per layer.
+            self.seed_rows.append([ContiguousKVCache(self.kv_step) for _ in range(self.num_layers)])
+        if layers_kv is None:
+            return
+        written = self.slot_caches if self.slot_caches is not None else self.seed_rows[row]
+        for cache, (keys, values) in zip(written, layers_kv):
+            if isinstance(cache, QuantizedSlotKVCache):
+                cache.write_prompt(row, cache.quantize(keys), cache.quantize(values))
+            elif isinstance(cache, ContiguousKVCache):
+                cache.update_and_fetch(keys, values)
+            else:
+                cache.write_prompt(row, keys, values)
         # Evaluate the copies now: their time stays out of the next step's.
         mx.eval([(c.keys, c.values) for c in written if c.keys is not None])
 
@@ -162,21 +151,6 @@ class ServedModel:
             self.seed_rows[row] = self.seed_rows[last]
             self.seed_rows.pop()
 
-    def forward(self, tokens: mx.array, seq_lens: Sequence[int]) -> mx.array:
-        """One batched step: int32 ``tokens [B, L]`` at positions ``seq_lens[b] ..`` -> logits
-        ``[B, L, V]`` (lazy). Writes the tokens' keys/values into rows ``0..B-1``."""
-        batch, query_len = tokens.shape
-        if self.slot_caches is not None:
-            layer_caches = self.slot_caches
-        else:
-            layer_caches = [
-                [row[layer] for row in self.seed_rows] for layer in range(self.num_layers)
-            ]
-        context = BatchedDecodeContext(batch, seq_lens, layer_caches, query_len, self.ring_sizes)
-        return routed_forward(
-            self.model, tokens, context, self.attentions, self.windows, self.routed_modules
-        )
-
     def forward_packed(
         self,
         tokens: mx.array,
@@ -189,8 +163,13 @@ class ServedModel:
         positions ``seq_lens[b] ..`` -> the logits ``[len(logit_rows), V]`` (lazy) of the
         tokens at packed rows ``logit_rows``. Writes every token's keys/values.
         ``first_chunks``: as ``PackedDecodeContext``'s."""
+        layer_caches = self.slot_caches
+        if layer_caches is None:
+            layer_caches = [
+                [row[layer] for row in self.seed_rows] for layer in range(self.num_layers)
+            ]
         context = PackedDecodeContext(
-            seq_lens, query_lens, self.slot_caches, self.ring_sizes, first_chunks
+            seq_lens, query_lens, layer_caches, self.ring_sizes, first_chunks
         )
         logits = routed_forward(
             self.model, tokens[:, None], context, self.attentions, self.windows,

@@ -24,7 +24,6 @@ the draft's first step also feeds the chunks (its cache needs the prompts too), 
 the running requests alone, and the target's pass feeds the k + 1 tokens of every running
 request and the chunks; a request whose chunk ends its prompt samples its first token from it.
 Without a draft model it is the plain packed step: one pass, one token per running request.
-``speculative_round`` is the round of the seed path's steps of running requests alone.
 
 Dimension legend: B = requests in the round, k = draft tokens per request, V = vocabulary size.
 """
@@ -40,52 +39,12 @@ from .sampling import Sampler
 from .served_model import ServedModel
 
 
-class SpeculativeRound(NamedTuple):
-    """One round's outcome: each request's new tokens ``y_0 .. y_a`` (a + 1 of them, before stop
-    tokens and budgets), the draft tokens proposed and how many of them the target accepted."""
-
-    tokens: list[list[int]]
-    drafted: int
-    accepted: int
-
-
 def accepted_length(drafts: Sequence[int], targets: Sequence[int]) -> int:
     """a: how many leading draft tokens equal the target's tokens at the same positions."""
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
         accepted += 1
     return accepted
-
-
-def speculative_round(
-    target: ServedModel,
-    draft: ServedModel,
-    next_tokens: Sequence[int],
-    seq_lens: Sequence[int],
-    num_draft_tokens: int,
-    sampler: Sampler,
-) -> SpeculativeRound:
-    """Propose, verify and accept for every request of the batch (rows ``0..B-1`` of both
-    models); one device-to-host read, after the target's pass."""
-    batch, k = len(next_tokens), num_draft_tokens
-    fed = [mx.array(next_tokens, dtype=mx.int32)[:, None]]
-    for j in range(k + 1):
-        logits = draft.forward(fed[-1], [s + j for s in seq_lens])
-        if j < k:
-            token = sampler(logits[:, -1, :])[:, None]
-            # Start computing this draft token while the next step's graph is built.
-            mx.async_eval(token)
-            fed.append(token)
-    proposal = mx.concatenate(fed, axis=1)
-    logits = target.forward(proposal, seq_lens)
-    sampled = sampler(logits.reshape(batch * (k + 1), -1)).reshape(batch, k + 1)
-    mx.eval(sampled, proposal, draft.cache_arrays())
-    tokens, accepted = [], 0
-    for drafts, targets in zip(proposal[:, 1:].tolist(), sampled.tolist()):
-        a = accepted_length(drafts, targets)
-        accepted += a
-        tokens.append(targets[: a + 1])
-    return SpeculativeRound(tokens, batch * k, accepted)
 
 
 class PackedRound(NamedTuple):
