@@ -1,14 +1,17 @@
 """A serving loop's view of BatchedDecoder: ``cancel`` of a queued or running request (slot,
 paged and speculative), after which the other requests' greedy tokens still equal mlx-lm's
-single-request decode, and ``stats.requests``' per-request timing against the steps' own clock."""
+single-request decode, ``stats.requests``' per-request timing against the steps' own clock, and
+a sampler per request."""
 
 import time
 
+import mlx.core as mx
 import pytest
 
 pytest.importorskip("mlx_lm")
 
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.decoding.sampling import Sampler, sample_rows  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from tests.support.mlx_lm_models import LLAMA, mlx_lm_greedy, random_prompts  # noqa: E402
 
@@ -114,3 +117,45 @@ def test_request_timing_follows_the_steps(model, prompts):
         assert timing.last_token == timing.finished <= ends[steps[-1]]
         assert sum(timing.gaps) == pytest.approx(timing.last_token - timing.first_token)
         assert not timing.cancelled
+
+
+class RowSpy(Sampler):
+    """Greedy, counting the rows it chooses for (or, with ``token``, always that token)."""
+
+    def __init__(self, token=None):
+        super().__init__()
+        self.token, self.rows = token, 0
+
+    def __call__(self, logits):
+        self.rows += logits.shape[0]
+        if self.token is None:
+            return super().__call__(logits)
+        return mx.full((logits.shape[0],), self.token, dtype=mx.int32)
+
+
+def test_sample_rows_puts_each_samplers_rows_back_in_place():
+    logits = mx.random.normal((5, 11), key=mx.random.key(0))
+    greedy, sevens = RowSpy(), RowSpy(token=7)
+    chosen = sample_rows([sevens, greedy, sevens, greedy, greedy], logits)
+    argmax = mx.argmax(logits, axis=-1).tolist()
+    assert chosen.tolist() == [7, argmax[1], 7, argmax[3], argmax[4]]
+    assert (greedy.rows, sevens.rows) == (3, 2)
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_requests_bring_their_own_samplers(model, prompts, references, draft):
+    """A request with its own sampler (here: always token 7) gets its tokens from it alone,
+    draft proposals too; the others keep the step's greedy sampler and mlx-lm's tokens."""
+    decoder = BatchedDecoder(model, draft_model=model if draft else None, max_step_tokens=16)
+    own = RowSpy(token=7)
+    uids = [
+        decoder.add_request(p, n, sampler=own if i == 1 else None)
+        for i, (p, n) in enumerate(zip(prompts, MAX_TOKENS))
+    ]
+    produced = {uid: [] for uid in uids}
+    while decoder.num_active:
+        for uid, tokens in decoder.step().tokens.items():
+            produced[uid] += tokens
+    assert produced[uids[1]] == [7] * MAX_TOKENS[1]
+    assert [produced[u] for i, u in enumerate(uids) if i != 1] == references[:1] + references[2:]
+    assert own.rows >= MAX_TOKENS[1]

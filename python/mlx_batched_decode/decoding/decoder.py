@@ -64,6 +64,8 @@ class _Request:
     prompt: list[int] = field(default_factory=list)
     # Paged layout with prefix sharing: the names of its prompt's full blocks, once computed.
     block_names: Optional[list[int]] = None
+    # Its own way of choosing tokens (None: the step's).
+    sampler: Optional[Sampler] = None
 
     @property
     def prefilling(self) -> bool:
@@ -265,21 +267,25 @@ class BatchedDecoder:
         return [self._target] if self._draft is None else [self._target, self._draft]
 
     def add_request(
-        self, prompt: Sequence[int], max_tokens: int, *, stop_tokens: Iterable[int] = ()
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        stop_tokens: Iterable[int] = (),
+        sampler: Optional[Sampler] = None,
     ) -> int:
         """Queue ``prompt`` (token ids, at least one) and return the request's id at once.
 
         The steps that follow feed its prompt in chunks beside the running requests' tokens;
         its first token comes out of the step that feeds its prompt's last chunk. With the
         paged layout, a request the block budget cannot hold yet waits until it fits.
+        ``sampler``: how this request chooses its tokens (default: the sampler ``step`` gets).
+        ``ValueError`` as ``check_request`` says, before anything is queued.
         """
-        if len(prompt) == 0:
-            raise ValueError("[BatchedDecoder] a prompt needs at least one token")
-        if max_tokens < 1:
-            raise ValueError(f"[BatchedDecoder] max_tokens must be >= 1, got {max_tokens}")
+        self.check_request(len(prompt), max_tokens)
         prompt = [int(t) for t in prompt]
         request = self._new_request(prompt, max_tokens, stop_tokens)
-        request.prompt, request.seq_len = prompt, 0
+        request.prompt, request.seq_len, request.sampler = prompt, 0, sampler
         if self._paged is None:
             for served in self._models():
                 served.load(len(self._active), None)
@@ -289,19 +295,28 @@ class BatchedDecoder:
             self._admit_waiting()
         return request.uid
 
-    def _new_request(
-        self, prompt: list[int], max_tokens: int, stop_tokens: Iterable[int]
-    ) -> _Request:
-        """A new request's state and timing, its budget checked against the block budget."""
+    def check_request(self, prompt_len: int, max_tokens: int) -> None:
+        """``ValueError`` unless a request of ``prompt_len`` prompt tokens and ``max_tokens``
+        can be served: a prompt of at least one token, ``max_tokens >= 1``, and with a block
+        budget (paged layout) no more blocks than it holds. Nothing is queued."""
+        if prompt_len < 1:
+            raise ValueError("[BatchedDecoder] a prompt needs at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"[BatchedDecoder] max_tokens must be >= 1, got {max_tokens}")
         if self._paged is not None:
             cache = self._paged.cache
-            needed = cache.blocks_for(len(prompt) - 1 + max_tokens)
+            needed = cache.blocks_for(prompt_len - 1 + max_tokens)
             budget = cache.allocator.max_blocks
             if budget is not None and needed > budget:
                 raise ValueError(
-                    f"[BatchedDecoder] a request of {len(prompt)} prompt tokens and max_tokens="
+                    f"[BatchedDecoder] a request of {prompt_len} prompt tokens and max_tokens="
                     f"{max_tokens} needs {needed} blocks, more than max_kv_blocks={budget}"
                 )
+
+    def _new_request(
+        self, prompt: list[int], max_tokens: int, stop_tokens: Iterable[int]
+    ) -> _Request:
+        """A new request's state and timing."""
         request = _Request(
             uid=self._next_uid,
             max_tokens=max_tokens,
@@ -388,8 +403,9 @@ class BatchedDecoder:
         return request.block_names
 
     def step(self, sampler: Optional[Sampler] = None) -> StepResult:
-        """One decode step for every active request, greedy unless ``sampler`` says otherwise:
-        one token each, or with a draft model one speculative round (1 to k + 1 tokens each)."""
+        """One decode step for every active request, greedy unless ``sampler`` (or a request's
+        own) says otherwise: one token each, or with a draft model one speculative round (1 to
+        k + 1 tokens each)."""
         if self._waiting:
             self._admit_waiting()
         if not self._active:
@@ -430,11 +446,12 @@ class BatchedDecoder:
             ending=ending,
             seq_lens=[r.seq_len for r in self._active],
             first_chunks=first_chunks,
+            samplers=[r.sampler or sampler for r in self._active],
         )
         if self._draft is None:
-            tokens, _, _ = packed_round(self._target, None, step, 0, sampler)
+            tokens, _, _ = packed_round(self._target, None, step, 0)
         else:
-            tokens, drafted, accepted = packed_round(self._target, self._draft, step, k, sampler)
+            tokens, drafted, accepted = packed_round(self._target, self._draft, step, k)
             self.stats.draft_tokens += drafted
             self.stats.accepted_tokens += accepted
         proposals = []

@@ -1,11 +1,11 @@
 """Choosing each request's next token from the step's logits.
 
-Dimension legend: B = requests in the step, V = vocabulary size.
+Dimension legend: B = requests in the step, R = logit rows of a step, V = vocabulary size.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -51,3 +51,23 @@ class Sampler:
         keep = (mx.cumsum(probs, axis=-1) - probs) < self.top_p
         choice = mx.random.categorical(mx.where(keep, sorted_logits, -mx.inf), key=key)
         return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(mx.int32)
+
+
+def sample_rows(samplers: Sequence[Sampler], logits: mx.array) -> mx.array:
+    """``logits [R, V]``, row ``r`` chosen by ``samplers[r]`` -> int32 token ids ``[R]``: one
+    call per distinct sampler, over its rows (requests may each bring their own)."""
+    first = samplers[0]
+    if all(s is first for s in samplers):
+        return first(logits)
+    groups: dict[int, list[int]] = {}
+    for row, sampler in enumerate(samplers):
+        groups.setdefault(id(sampler), []).append(row)
+    order = [row for rows in groups.values() for row in rows]
+    chosen = mx.concatenate(
+        [samplers[rows[0]](logits[mx.array(rows)]) for rows in groups.values()]
+    )
+    # chosen[i] is row order[i]'s token: put the rows back in order.
+    where = [0] * len(order)
+    for i, row in enumerate(order):
+        where[row] = i
+    return chosen[mx.array(where)]

@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
-from .sampling import Sampler
+from .sampling import Sampler, sample_rows
 from .served_model import ServedModel
 
 
@@ -51,13 +51,15 @@ class PackedRound(NamedTuple):
     """What one packed step feeds, per request row: ``next_tokens[b]`` (a running request's
     last token, else ``None``), ``chunks[b]`` (a prefilling request's prompt tokens this step,
     maybe none), ``ending[b]`` (its chunk ends its prompt: it samples its first token),
-    ``seq_lens[b]`` (its positions cached) and ``first_chunks`` (``PackedDecodeContext``'s)."""
+    ``seq_lens[b]`` (its positions cached), ``first_chunks`` (``PackedDecodeContext``'s) and
+    ``samplers[b]`` (how it chooses its tokens, the draft's proposals too)."""
 
     next_tokens: list[Optional[int]]
     chunks: list[list[int]]
     ending: list[bool]
     seq_lens: list[int]
     first_chunks: list[tuple[int, int]]
+    samplers: list[Sampler]
 
 
 def packed_round(
@@ -65,7 +67,6 @@ def packed_round(
     draft: Optional[ServedModel],
     step: PackedRound,
     num_draft_tokens: int,
-    sampler: Sampler,
 ) -> tuple[list[Optional[list[int]]], int, int]:
     """One packed step of ``target``: without a draft, one pass over every running request's
     token and every chunk; with one, a speculative round for the running requests (the draft's
@@ -89,7 +90,7 @@ def packed_round(
                 tokens, seq_lens, counts, rows if j < k else [], step.first_chunks if j == 0 else ()
             )
             if j < k and running:
-                tokens = sampler(logits)
+                tokens = sample_rows([step.samplers[b] for b in running], logits)
                 # Start computing this draft token while the next pass's graph is built.
                 mx.async_eval(tokens)
                 drafts.append(tokens)
@@ -100,12 +101,14 @@ def packed_round(
     proposal = mx.stack([firsts, *drafts], axis=1) if running else None
     counts = [k + 1 if t is not None else len(c) for t, c in zip(step.next_tokens, step.chunks)]
     ends = list(itertools.accumulate(counts))
-    logit_rows = []
+    logit_rows, row_samplers = [], []
     for b, count in enumerate(counts):
         if step.next_tokens[b] is not None:
             logit_rows += range(ends[b] - count, ends[b])
+            row_samplers += [step.samplers[b]] * count
         elif step.ending[b]:
             logit_rows.append(ends[b] - 1)
+            row_samplers.append(step.samplers[b])
     tokens = _pack(step, proposal)
     logits = target.forward_packed(tokens, step.seq_lens, counts, logit_rows, step.first_chunks)
     outputs = [target.cache_arrays()] + ([draft.cache_arrays()] if draft is not None else [])
@@ -113,7 +116,7 @@ def packed_round(
         # Only chunks that end no prompt: their keys/values are the step's whole output.
         mx.eval(outputs)
         return [None] * len(counts), 0, 0
-    sampled = sampler(logits)
+    sampled = sample_rows(row_samplers, logits)
     mx.eval(sampled, outputs, *([proposal] if running else []))
     sampled, proposed = sampled.tolist(), proposal.tolist() if running else []
     out: list[Optional[list[int]]] = [None] * len(counts)
