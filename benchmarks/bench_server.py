@@ -65,7 +65,7 @@ CONFIG = dict(
 )
 SERVERS = {
     "mlx-lm": [sys.executable, "-m", "mlx_lm", "server"],
-    "mlx-lm + plug-in": [sys.executable, "-m", "mlx_batched_decode.serve"],
+    "mlx-lm + plug-in": [sys.executable, "-m", "mlx_batched_decode.serve", "--engine", "mlx-lm"],
 }
 STARTUP_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30

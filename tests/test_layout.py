@@ -1,7 +1,7 @@
 """The package's layout: imports point one way, and every public name resolves.
 
 Layers, lowest first: ops (ops.py and the extension) < caches < attention < decoding <
-integrations. A module may import its own layer and the layers below it, never one above;
+integrations < server. A module may import its own layer and the layers below it, never one above;
 tools are leaves that any layer may use and that import only ops and tools. The modules at the
 package root (``__init__``, ``__main__``, ``serve``, ``mlx_lm``, ``sglang``) are the public face
 and may import anything. A module below them may look up the fused ops on the root package at call
@@ -20,7 +20,9 @@ from tests.support.repo import REPO
 
 PACKAGE = "mlx_batched_decode"
 SOURCE = REPO / "python" / PACKAGE
-RANKS = {"ops": 0, "_ext": 0, "caches": 1, "attention": 2, "decoding": 3, "integrations": 4}
+RANKS = {
+    "ops": 0, "_ext": 0, "caches": 1, "attention": 2, "decoding": 3, "integrations": 4, "server": 5
+}
 TOOLS = "tools"
 FACE = "face"
 

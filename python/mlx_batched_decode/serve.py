@@ -1,20 +1,21 @@
-"""mlx-lm's OpenAI-compatible server with the mlx-lm plug-in enabled.
+"""An OpenAI-compatible server on ``BatchedDecoder``, or mlx-lm's server with the plug-in.
 
 ::
 
-    python -m mlx_batched_decode.serve --model path/to/model [any other mlx_lm.server argument]
+    python -m mlx_batched_decode.serve --model path/to/model [flags]             # this server
+    python -m mlx_batched_decode.serve --engine mlx-lm --model path/to/model ...  # mlx_lm.server
 
-Takes exactly the arguments of ``mlx_lm.server`` (``--help`` lists them) and runs its ``main()``
-after ``mlx_batched_decode.mlx_lm.enable()``: the decode steps of the server's batched path
-(``BatchGenerator``, up to ``--decode-concurrency`` requests at once) attend through
-``batched_decode_attention``; everything else is mlx-lm's server unchanged, but for its listen
-backlog: ``max(128, 2 x --decode-concurrency)`` connections instead of socketserver's 5, so that
-clients connecting all at once are queued, not dropped or reset. When it is stopped
-(Ctrl-C / SIGINT), it prints how many attention calls the op served and how many stayed on
-mlx-lm's path (``mlx_batched_decode.mlx_lm.stats()``), then shuts down as mlx-lm's server does.
+The default engine is the server of ``mlx_batched_decode.server`` (``--help`` lists its flags):
+every step carries the running requests' decode tokens and chunks of arriving prompts, with
+quantized or paged caches, prefix sharing and speculative decoding. ``--engine mlx-lm`` runs
+``mlx_lm.server``'s ``main()`` with every other argument, after
+``mlx_batched_decode.mlx_lm.enable()``: its batched decode steps attend through
+``batched_decode_attention``, and its listen backlog holds ``max(128, 2 x --decode-concurrency)``
+connections. Stopped with SIGINT, it prints how many attention calls the op served
+(``mlx_batched_decode.mlx_lm.stats()``).
 """
 
-from .integrations.mlx_lm.server import main
+from .server.cli import main
 
 if __name__ == "__main__":
     main()

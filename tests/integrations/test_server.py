@@ -139,9 +139,10 @@ def _workload(port):
 def test_plugin_server_answers_like_mlx_lm_server(model_dir, tmp_path):
     args = ["--model", str(model_dir), "--log-level", "WARNING"]
     results, logs = {}, {}
+    plugin = [sys.executable, "-m", "mlx_batched_decode.serve", "--engine", "mlx-lm"]
     for name, command in (
         ("mlx-lm", [sys.executable, "-m", "mlx_lm", "server", *args]),
-        ("plug-in", [sys.executable, "-m", "mlx_batched_decode.serve", *args]),
+        ("plug-in", [*plugin, *args]),
     ):
         logs[name] = tmp_path / f"{name}.log"
         with running_server(command, logs[name], STARTUP_TIMEOUT_S, STOP_TIMEOUT_S) as (port, process):

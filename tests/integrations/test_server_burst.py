@@ -43,7 +43,7 @@ STOP_TIMEOUT_S = 20.0
 MAX_SLOWDOWN = 1.5
 ARGS = ["--log-level", "WARNING"]
 SERVERS = {
-    "plug-in": [sys.executable, "-m", "mlx_batched_decode.serve"],
+    "plug-in": [sys.executable, "-m", "mlx_batched_decode.serve", "--engine", "mlx-lm"],
     "mlx-lm": [sys.executable, str(REPO / "tests" / "support" / "mlx_lm_server_backlog.py")],
 }
 TURNS = ["plug-in", "mlx-lm", "mlx-lm", "plug-in"]

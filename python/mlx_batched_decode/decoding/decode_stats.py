@@ -15,6 +15,7 @@ class RequestTiming:
     its first token (``None`` before). ``gaps``: seconds between consecutive steps that emitted
     its tokens; a speculative round that emits several tokens counts as one. ``finished``: the
     end of the step that finished it, or its ``cancel`` (``None`` while it is queued or runs).
+    ``prefix_hit_tokens``: its prompt tokens taken from cached blocks (paged prefix sharing).
     """
 
     arrived: float
@@ -24,6 +25,7 @@ class RequestTiming:
     tokens: int = 0
     finished: Optional[float] = None
     cancelled: bool = False
+    prefix_hit_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> Optional[float]:

@@ -381,6 +381,7 @@ class BatchedDecoder:
             self._active.append(request)
             self.stats.prompt_tokens += hit
             self.stats.prefix_hit_tokens += hit
+            self.stats.requests[request.uid].prefix_hit_tokens = hit
             self.stats.blocks_in_use = self._paged.cache.blocks_in_use
 
     def _awaits_shared_blocks(self, request: _Request) -> bool:

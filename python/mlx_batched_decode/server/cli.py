@@ -1,0 +1,224 @@
+"""``python -m mlx_batched_decode.serve``: the flags, the model loaded, uvicorn run.
+
+mlx_lm.server's flags where they apply, and one for every ``BatchedDecoder`` feature. The
+process listens on 127.0.0.1 unless ``--host`` says otherwise; SIGINT or SIGTERM stops it
+cleanly: it accepts nothing more, lets the requests it holds end (at most
+``--shutdown-timeout`` seconds), and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import signal
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+PROG = "python -m mlx_batched_decode.serve"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=(
+            "An OpenAI-compatible server on BatchedDecoder: every step carries the running "
+            "requests' decode tokens and chunks of arriving prompts in one forward pass. "
+            "--engine mlx-lm runs mlx_lm.server with the plug-in instead (its own flags)."
+        ),
+    )
+    parser.add_argument("--engine", choices=["native", "mlx-lm"], default="native",
+                        help="native (default): this server; mlx-lm: mlx_lm.server with the "
+                        "plug-in, every other argument passed to it")
+    parser.add_argument("--model", required=True, help="the mlx-lm model folder to serve")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on (8080)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a chat template (Jinja) replacing the tokenizer's")
+    parser.add_argument("--chat-template-args", type=json.loads, default={},
+                        help="JSON keywords for apply_chat_template, e.g. "
+                        "'{\"enable_thinking\": false}'")
+    parser.add_argument("--temp", type=float, default=0.0,
+                        help="default sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="default top-p (1.0)")
+    parser.add_argument("--max-tokens", type=int, default=512,
+                        help="default max_tokens of a request (512)")
+    parser.add_argument("--max-context-length", type=int, default=None,
+                        help="the most positions a request may reach, prompt + max_tokens "
+                        "(default: the model's max_position_embeddings, else its tokenizer's "
+                        "model_max_length, else 131072)")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    decoder = parser.add_argument_group("decoder (BatchedDecoder)")
+    decoder.add_argument("--max-batch-size", type=int, default=8,
+                         help="the most requests decoding or prefilling at once (8)")
+    decoder.add_argument("--max-queue", type=int, default=64,
+                         help="the most accepted requests waiting beyond the batch (64); "
+                         "more at once are answered 503")
+    decoder.add_argument("--max-step-tokens", type=int, default=256,
+                         help="tokens per step: decode tokens, then prompt chunks (256)")
+    decoder.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
+                         help="keep keys/values quantized to this many bits")
+    decoder.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                         help="quantization group size with --kv-bits (64)")
+    decoder.add_argument("--kv-layout", choices=["slot", "paged"], default="slot",
+                         help="slot: a cache row per request; paged: block pools (slot)")
+    decoder.add_argument("--block-size", type=int, default=16,
+                         help="positions per block with --kv-layout paged (16)")
+    decoder.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction,
+                         default=True, help="share cached prompt blocks (--kv-layout paged)")
+    decoder.add_argument("--max-kv-blocks", type=int, default=None,
+                         help="the block budget with --kv-layout paged (default: unbounded); "
+                         "a request larger than it is answered 400")
+    decoder.add_argument("--draft-model", default=None,
+                         help="a draft model folder: decode speculatively")
+    decoder.add_argument("--num-draft-tokens", type=int, default=2,
+                         help="draft tokens per request and step with --draft-model (2)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds a stop waits for the requests held to end (30)")
+    return parser
+
+
+def context_length(model_dir: Path, tokenizer, flag: Optional[int]) -> int:
+    """The flag, else the config's ``max_position_embeddings``, else the tokenizer's
+    ``model_max_length`` (transformers' "unset" is a huge number), else 131072."""
+    if flag is not None:
+        return flag
+    config = json.loads((model_dir / "config.json").read_text())
+    for value in (config.get("max_position_embeddings"), getattr(tokenizer, "model_max_length",
+                                                                  None)):
+        if isinstance(value, int) and 0 < value < 10**9:
+            return value
+    return 131072
+
+
+def _load(path: str, chat_template: Optional[str]):
+    from mlx_lm.utils import load
+
+    config = {"chat_template": chat_template} if chat_template else None
+    return load(path, tokenizer_config=config)
+
+
+def fingerprint() -> str:
+    """Which build answers: this package's version, MLX's, the platform."""
+    from importlib.metadata import version
+
+    import mlx.core as mx
+
+    return f"mlx-batched-decode-{version('mlx-batched-decode')}-{mx.__version__}-" + (
+        platform.platform()
+    )
+
+
+def build_state(args: argparse.Namespace):
+    """Load the model(s) and make the decoder, engine and shared state from ``args``."""
+    from ..decoding.decoder import BatchedDecoder
+    from .app import ServerState
+    from .engine import Engine
+    from .metrics import ServerMetrics
+    from .protocol import DEFAULT_MODEL, Defaults
+
+    for name in ("max_batch_size", "max_step_tokens", "num_draft_tokens", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"{PROG}: --{name.replace('_', '-')} must be >= 1")
+    if args.max_queue < 0:
+        raise SystemExit(f"{PROG}: --max-queue must be >= 0")
+    model, tokenizer = _load(args.model, args.chat_template)
+    draft = None if args.draft_model is None else _load(args.draft_model, None)[0]
+    try:
+        decoder = BatchedDecoder(
+            model,
+            draft_model=draft,
+            num_draft_tokens=args.num_draft_tokens,
+            kv_layout=args.kv_layout,
+            block_size=args.block_size,
+            prefix_sharing=args.prefix_sharing,
+            max_kv_blocks=args.max_kv_blocks,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            max_step_tokens=args.max_step_tokens,
+        )
+    except ValueError as error:
+        # A model or a flag the decoder cannot serve: said once, no traceback.
+        raise SystemExit(f"{PROG}: {error}") from error
+    metrics = ServerMetrics()
+    model_dir = Path(args.model)
+    model_id = str(model_dir.resolve())
+    return ServerState(
+        engine=Engine(decoder, metrics, args.max_batch_size, args.max_queue),
+        decoder=decoder,
+        tokenizer=tokenizer,
+        metrics=metrics,
+        model_id=model_id,
+        model_names={DEFAULT_MODEL, args.model, model_id},
+        context_length=context_length(model_dir, tokenizer, args.max_context_length),
+        defaults=Defaults(args.max_tokens, args.temp, args.top_p),
+        chat_template_args=args.chat_template_args,
+        fingerprint=fingerprint(),
+        stop_timeout=args.shutdown_timeout,
+    )
+
+
+def _uvicorn_server(app, args: argparse.Namespace):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, whose SIGINT/SIGTERM stop ends the process with status 0 (uvicorn
+        raises the signal again once it has shut down, which would kill it)."""
+
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            signals = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self._stop) for sig in signals}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def _stop(self, sig, frame) -> None:
+            # A second SIGINT forces the exit, as uvicorn's own handler does.
+            self.force_exit = self.should_exit and sig == signal.SIGINT
+            self.should_exit = True
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        # Clients connecting all at once are queued by the kernel, not refused.
+        backlog=max(2048, 2 * (args.max_batch_size + args.max_queue)),
+    )
+    return Server(config)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    engine = argparse.ArgumentParser(add_help=False)
+    engine.add_argument("--engine", default="native")
+    known, rest = engine.parse_known_args(argv)
+    if known.engine == "mlx-lm":
+        from ..integrations.mlx_lm.server import main as mlx_lm_main
+
+        mlx_lm_main(rest)
+        return
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
+    from .app import create_app
+
+    state = build_state(args)
+    logging.info(
+        "serving %s on http://%s:%d (max batch %d, queue %d, %d tokens a step)",
+        state.model_id, args.host, args.port, args.max_batch_size, args.max_queue,
+        args.max_step_tokens,
+    )
+    _uvicorn_server(create_app(state), args).run()

@@ -1,0 +1,82 @@
+"""One request's tokens turned into text, as mlx_lm.server turns them.
+
+mlx-lm's own parts do the work: a streaming detokenizer (``tokenizer.detokenizer``), the stop
+sequences (end-of-sequence tokens and the request's stop strings, ``make_stop_sequences``) and
+the text state machine that holds back what may be a stop string or a control sequence and
+strips it (``make_text_state_machine``). ``TextStream.feed`` is mlx_lm.server's handling of one
+generated token, from its generation loop and its ``handle_completion``, in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+
+@dataclass
+class Piece:
+    """What one token adds to a response: ``text`` (answer), ``reasoning`` (between thinking
+    markers), ``state`` (the text state after it: ``"tool"`` holds a stream's chunk back) and
+    ``finish_reason`` (``"stop"``, ``"length"`` or ``None`` while it runs)."""
+
+    text: str
+    reasoning: str
+    state: Optional[str]
+    finish_reason: Optional[str]
+
+
+class TextStream:
+    """The text of one request's tokens.
+
+    Args:
+        tokenizer: mlx-lm's ``TokenizerWrapper`` of the model.
+        stop_words: the request's stop strings.
+        max_tokens: the most tokens it generates ("length" at the last one).
+        initial_state: the state machine's state at the start (``"normal"``, or ``"reasoning"``
+            when the prompt opened a thinking block).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop_words: Sequence[str],
+        max_tokens: int,
+        initial_state: str = "normal",
+    ):
+        from mlx_lm.generate import make_stop_sequences, make_text_state_machine
+
+        self.detokenizer = tokenizer.detokenizer
+        self.matcher = make_stop_sequences(tokenizer, list(stop_words)).matcher()
+        self.state = make_text_state_machine(tokenizer, list(stop_words)).make_state(
+            initial_state
+        )
+        self.max_tokens = max_tokens
+        self.tokens = 0
+
+    def feed(self, token: int) -> Piece:
+        """The next generated token -> what it adds; ``finish_reason`` is set on the last one
+        ("stop": it completed a stop sequence, and its own text is dropped)."""
+        from mlx_lm.generate import TextStateMachine
+
+        self.tokens += 1
+        finish = "length" if self.tokens >= self.max_tokens else None
+        if self.matcher.advance(token):
+            finish = "stop"
+        if finish == "stop":
+            # The stop token's text is never shown; what the state machine holds back goes.
+            self.detokenizer.finalize()
+            self.state, current = TextStateMachine.discard(self.state)
+            segments = [(current, "")]
+        else:
+            self.detokenizer.add_token(token)
+            if finish == "length":
+                self.detokenizer.finalize()
+            self.state, segments = TextStateMachine.split(
+                self.state, self.detokenizer.last_segment
+            )
+            if finish == "length":
+                self.state, flushed, current = TextStateMachine.flush(self.state)
+                segments.append((current, flushed))
+        text = "".join(t for s, t in segments if s not in ("reasoning", None))
+        reasoning = "".join(t for s, t in segments if s == "reasoning")
+        return Piece(text, reasoning, segments[-1][0], finish)

@@ -1,0 +1,160 @@
+"""The server's decoding thread in-process, on a small random-weight model folder: what it
+accepts, what a failing step or a cancel does to the requests held, and the text of each
+request's tokens against the decoder's own tokens."""
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+pytest.importorskip("starlette")
+pytest.importorskip("prometheus_client")
+
+from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.decoding.sampling import Sampler  # noqa: E402
+from mlx_batched_decode.server.engine import Engine, Submission  # noqa: E402
+from mlx_batched_decode.server.metrics import ServerMetrics  # noqa: E402
+from mlx_batched_decode.server.protocol import APIError  # noqa: E402
+from mlx_batched_decode.server.text_stream import TextStream  # noqa: E402
+from mlx_batched_decode.tools.model_folder import save_model_folder  # noqa: E402
+from tests.support.mlx_lm_models import LLAMA  # noqa: E402
+
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    from mlx_lm.utils import load
+
+    path = save_model_folder({**LLAMA, "vocab_size": 64}, tmp_path_factory.mktemp("m"), seed=2)
+    return load(str(path))
+
+
+def submission(tokenizer, prompt, max_tokens, stop=()):
+    return Submission(
+        list(prompt), max_tokens, Sampler(), TextStream(tokenizer, stop, max_tokens),
+        asyncio.get_running_loop(),
+    )
+
+
+async def drain(sub):
+    """Every piece of ``sub`` until it ends."""
+    pieces = []
+    while (piece := await asyncio.wait_for(sub.pieces.get(), TIMEOUT_S)) is not None:
+        pieces.append(piece)
+    return pieces
+
+
+def test_accepts_batch_plus_queue_then_503(loaded):
+    model, tokenizer = loaded
+
+    async def main():
+        engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=2, max_queue=3)
+        for _ in range(5):
+            engine.submit(submission(tokenizer, [7, 8], 4))
+        with pytest.raises(APIError) as refused:
+            engine.submit(submission(tokenizer, [7, 8], 4))
+        assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
+
+    asyncio.run(main())
+
+
+def test_texts_equal_the_decoders_tokens_and_counts_come_back(loaded):
+    model, tokenizer = loaded
+    prompts = [[9, 10, 11, 12], [20, 21], [30, 31, 32, 33, 34, 35]]
+    # The server ends a request at its end-of-sequence token, which it never shows.
+    expected = BatchedDecoder(model).generate(prompts, 6, stop_tokens=tokenizer.eos_token_ids)
+
+    async def main():
+        engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=2, max_queue=4)
+        engine.start()
+        subs = [submission(tokenizer, p, 6) for p in prompts]
+        for sub in subs:
+            engine.submit(sub)
+        results = [await drain(sub) for sub in subs]
+        engine.stop(TIMEOUT_S)
+        assert not engine.alive and engine.decoder.num_active == 0
+        assert engine._accepted == 0 and engine.decoder.stats.requests == {}
+        return results
+
+    results = asyncio.run(main())
+    assert any(len(tokens) < 6 for tokens in expected), "no request met its end token"
+    for pieces, tokens in zip(results, expected):
+        assert "".join(p.text for p in pieces) == tokenizer.decode(tokens)
+        finish = "length" if len(tokens) == 6 else "stop"
+        assert [p.finish_reason for p in pieces] == [None] * (len(pieces) - 1) + [finish]
+
+
+def test_a_failing_step_ends_its_requests_and_the_thread_goes_on(loaded, monkeypatch):
+    model, tokenizer = loaded
+    decoder = BatchedDecoder(model)
+    real_step, calls = decoder.step, []
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "step", step)
+
+    async def main():
+        engine = Engine(decoder, ServerMetrics(), max_batch_size=4, max_queue=4)
+        engine.start()
+        first = submission(tokenizer, [9, 10, 11], 8)
+        engine.submit(first)
+        await drain(first)
+        assert first.error is not None and "injected" in first.error
+        assert decoder.num_active == 0
+        later = submission(tokenizer, [9, 10, 11], 3)
+        engine.submit(later)
+        pieces = await drain(later)
+        engine.stop(TIMEOUT_S)
+        return later, pieces
+
+    later, pieces = asyncio.run(main())
+    assert later.error is None and pieces[-1].finish_reason == "length"
+    assert later.completion_tokens == 3
+
+
+def test_cancel_frees_the_slot_within_a_step(loaded):
+    model, tokenizer = loaded
+
+    async def main():
+        engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=2, max_queue=0)
+        engine.start()
+        long = submission(tokenizer, [9, 10, 11], 10_000)
+        engine.submit(long)
+        await asyncio.wait_for(long.pieces.get(), TIMEOUT_S)  # it runs
+        engine.cancel(long)
+        assert await drain(long) is not None and long.ended
+        # Its place is free again: a full batch is accepted.
+        for _ in range(2):
+            engine.submit(submission(tokenizer, [12], 2))
+        engine.stop(TIMEOUT_S)
+        return engine
+
+    engine = asyncio.run(main())
+    assert engine.decoder.num_active == 0 and engine._accepted == 0
+
+
+def test_stop_strings_end_a_request_and_are_not_shown(loaded):
+    model, tokenizer = loaded
+    tokens = BatchedDecoder(model).generate([[9, 10, 11]], 8)[0]
+    words = tokenizer.decode(tokens).split()
+    stop = " ".join(words[3:5])
+
+    async def main():
+        engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=1, max_queue=0)
+        engine.start()
+        sub = submission(tokenizer, [9, 10, 11], 8, stop=[stop])
+        engine.submit(sub)
+        pieces = await drain(sub)
+        engine.stop(TIMEOUT_S)
+        return sub, pieces
+
+    sub, pieces = asyncio.run(main())
+    assert pieces[-1].finish_reason == "stop"
+    assert "".join(p.text for p in pieces).strip() == " ".join(words[:3])
+    # The stop string's tokens count, as mlx_lm.server counts them.
+    assert sub.completion_tokens == 5
