@@ -1,6 +1,6 @@
-"""A burst of clients against ``python -m mlx_batched_decode.serve``, as a new user's load comes:
-8 requests with long prompts, then, 1 s later, 64 short completions whose clients all connect at
-the same moment.
+"""A burst of clients against ``python -m mlx_batched_decode.serve`` (both engines), as a new
+user's load comes: 8 requests with long prompts, then, 1 s later, 64 short completions whose
+clients all connect at the same moment.
 
 Connections arrive faster than the accept loop takes them, so the listen backlog must hold the
 burst: with socketserver's backlog of 5 (mlx-lm's) most of these clients are reset or time out.
@@ -96,3 +96,16 @@ def test_plugin_server_answers_a_burst_of_clients(model_dir, tmp_path):
             served = re.search(r"batched_decode_attention served (\d+)", log.read_text())
             assert served and int(served.group(1)) > 0, log.read_text()
     assert walls["plug-in"] <= MAX_SLOWDOWN * walls["mlx-lm"], f"seconds over both turns: {walls}"
+
+
+def test_native_server_answers_a_burst_of_clients(model_dir, tmp_path):
+    """The native server, its batch and queue holding every client of the burst: all answered
+    while the long prompts are prefilled beside the short ones' decode steps."""
+    long_prompts, short_prompts = _prompts()
+    command = [sys.executable, "-m", "mlx_batched_decode.serve", "--model", str(model_dir),
+               "--max-batch-size", "8", "--max-queue", str(BURST), *ARGS]
+    with running_server(command, tmp_path / "native.log", STARTUP_TIMEOUT_S,
+                        STOP_TIMEOUT_S) as (port, _):
+        result = burst(port, long_prompts, LONG_MAX_TOKENS, short_prompts, SHORT_MAX_TOKENS,
+                       PAUSE_S, REQUEST_TIMEOUT_S)
+    assert not result.failed, result.summary()

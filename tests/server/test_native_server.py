@@ -228,6 +228,19 @@ def test_bad_input_faults_and_paged_sharing(model_dir, tmp_path):
             time.sleep(0.1)
         assert metrics(port)["mbd_requests_total{finish_reason=cancelled}"] == 1
 
+        # A client of a whole response that hangs up is cancelled too.
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+        connection.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": words(10, 6), "max_tokens": 500}).encode())
+        while not metrics(port)["mbd_kv_cache_usage"]:
+            assert time.monotonic() < deadline + 30, "the request holds no block"
+            time.sleep(0.01)
+        connection.close()
+        while metrics(port)["mbd_requests_total{finish_reason=cancelled}"] < 2:
+            assert time.monotonic() < deadline + 60, "the hung-up request was not cancelled"
+            time.sleep(0.1)
+        assert metrics(port)["mbd_kv_cache_usage"] == 0
+
         # SIGTERM with a request in flight: it ends whole, the server exits 0.
         with ThreadPoolExecutor(1) as pool:
             last = pool.submit(post, port, "/v1/completions",
@@ -275,3 +288,41 @@ def test_kv_bits_and_draft_model_flags(model_dir, tmp_path):
             assert counts["mbd_draft_tokens_total"] > 0
             assert counts["mbd_accepted_draft_tokens_total"] == counts["mbd_draft_tokens_total"]
         assert counts["mbd_generation_tokens_total"] >= sum(map(len, expected[name]))
+
+
+def test_hang_ups_among_many_requests(model_dir, tmp_path):
+    """200 streaming requests, 16 at a time, every third client hanging up after its first
+    chunk: every other request is answered in full, and nothing is held after."""
+    args = ["--model", str(model_dir), "--log-level", "WARNING", "--kv-layout", "paged",
+            "--block-size", "8", "--max-batch-size", "8", "--max-queue", "16"]
+
+    def one(port, i):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+        connection.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": words(i, 3 + i % 20), "max_tokens": 40, "stream": True}).encode())
+        response = connection.getresponse()
+        if i % 3 == 0:
+            response.fp.readline()
+            connection.close()
+            return None
+        raw = response.read()
+        connection.close()
+        return response.status, raw
+
+    with running_server([*NATIVE, *args], tmp_path / "hangups.log", STARTUP_TIMEOUT_S,
+                        STOP_TIMEOUT_S) as (port, _):
+        with ThreadPoolExecutor(16) as pool:
+            replies = list(pool.map(lambda i: one(port, i), range(200)))
+        answered = [r for r in replies if r is not None]
+        assert len(answered) == 133
+        for status, raw in answered:
+            assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+            finish = events(raw)[-2]["choices"][0]["finish_reason"]
+            assert finish in ("stop", "length")
+        deadline = time.monotonic() + 30
+        while (counts := metrics(port))["mbd_num_requests_running"] or counts[
+            "mbd_kv_cache_usage"
+        ]:
+            assert time.monotonic() < deadline, f"still held after the clients left: {counts}"
+            time.sleep(0.1)
+        assert counts["mbd_requests_total{finish_reason=cancelled}"] <= 67

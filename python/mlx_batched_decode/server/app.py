@@ -39,6 +39,9 @@ from .protocol import (
 )
 from .text_stream import Piece, TextStream
 
+# How often a request answered whole looks for its client having hung up.
+_DISCONNECT_CHECK_S = 0.5
+_NO_PIECE = object()
 # mlx_lm.server's CORS headers, on every response.
 _CORS = {
     "Access-Control-Allow-Origin": "*",
@@ -185,20 +188,26 @@ async def _events(
 
 
 async def _collect(http: Request, state: ServerState, submission: Submission) -> list[Piece]:
-    """Every piece of a request answered whole; ``[]`` if its client hung up first."""
-    pieces = []
+    """Every piece of a request answered whole; ``[]`` if its client hung up first (checked
+    every ``_DISCONNECT_CHECK_S``, however fast its pieces come)."""
+    loop = asyncio.get_running_loop()
+    pieces, next_check = [], loop.time() + _DISCONNECT_CHECK_S
     try:
         while True:
             try:
-                piece = await asyncio.wait_for(submission.pieces.get(), timeout=0.5)
+                timeout = max(0.0, next_check - loop.time())
+                piece = await asyncio.wait_for(submission.pieces.get(), timeout)
             except asyncio.TimeoutError:
+                piece = _NO_PIECE
+            if loop.time() >= next_check:
                 if await http.is_disconnected():
                     state.engine.cancel(submission)
                     return []
-                continue
+                next_check = loop.time() + _DISCONNECT_CHECK_S
             if piece is None:
                 return pieces
-            pieces.append(piece)
+            if piece is not _NO_PIECE:
+                pieces.append(piece)
     except asyncio.CancelledError:
         state.engine.cancel(submission)
         raise
