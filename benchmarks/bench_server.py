@@ -31,8 +31,17 @@ key/value heads of dim 64 (8 KiB of keys and values per token and layer in float
 vocabulary 1024. Prefilling 8 prompts of 1-2k tokens still takes about half a minute per server
 on 2 cores.
 
+With ``--arrivals`` it replays requests arriving over time instead (``server_arrivals.py``):
+mlx_lm.server at its defaults against this project's server (``python -m
+mlx_batched_decode.serve``) at its defaults, then with ``--kv-bits 8`` and with a draft model
+(the target's first layer), on a burst of long prompts beside decoding requests and on a seeded
+trace of 32 requests; and the trace behind a shared 1,024-token system prompt, slot layout
+against paged with prefix sharing (prefill tokens saved, from ``/metrics``). Results:
+``results/server_arrivals.json``.
+
     python benchmarks/bench_server.py                      # 8 clients, prompts 1024-2048, 64 tokens
     python benchmarks/bench_server.py --clients 16 --rounds 3
+    python benchmarks/bench_server.py --arrivals           # burst, trace, flags (about 15 minutes)
 """
 
 import argparse
@@ -67,6 +76,7 @@ SERVERS = {
     "mlx-lm": [sys.executable, "-m", "mlx_lm", "server"],
     "mlx-lm + plug-in": [sys.executable, "-m", "mlx_batched_decode.serve", "--engine", "mlx-lm"],
 }
+NATIVE = [sys.executable, "-m", "mlx_batched_decode.serve"]
 STARTUP_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30
 REQUEST_TIMEOUT_S = 1800
@@ -86,6 +96,9 @@ def _parse_args():
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each server, alternated")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arrivals", action="store_true",
+                        help="replay requests arriving over time (burst, trace, flags)")
+    parser.add_argument("--arrival-rate", type=float, default=0.5, help="the trace's requests/s")
     return parser.parse_args()
 
 
@@ -193,8 +206,128 @@ def _mismatched(texts, clients):
     return [i for i in range(clients) if len({run[i] for run in texts if run[i] is not None}) > 1]
 
 
+def _draft_folder(model_dir, path):
+    """A draft model folder: the target's first layer (its embedding, norm and head too) and
+    its tokenizer."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load, save_config, save_model
+
+    from mlx_batched_decode.tools.random_model import random_model
+
+    target, _ = load(str(model_dir))
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    draft = random_model(dict(CONFIG, num_hidden_layers=1), seed=0)
+    shared = dict(tree_flatten(target.parameters()))
+    draft.load_weights([(name, shared[name]) for name, _ in tree_flatten(draft.parameters())])
+    mx.eval(draft.parameters())
+    path.mkdir(parents=True)
+    save_model(path, draft)
+    save_config({**config, "num_hidden_layers": 1}, path / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(model_dir) / name, path / name)
+    return path
+
+
+def _counter(port, name):
+    """A counter's value from the server's ``/metrics`` (0 when absent)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("GET", "/metrics")
+    for line in connection.getresponse().read().decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def main_arrivals(args):
+    import server_arrivals
+
+    vocab = CONFIG["vocab_size"]
+    rng = random.Random(args.seed)
+    system = " ".join(word(rng.randrange(len(SPECIAL_TOKENS), vocab)) for _ in range(1024))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_model_folder(CONFIG, Path(tmp, "model"), seed=args.seed)
+        draft_dir = _draft_folder(model_dir, Path(tmp, "draft"))
+        runs = [
+            ("mlx_lm.server", SERVERS["mlx-lm"], [], ("burst", "trace")),
+            ("native", NATIVE, [], ("burst", "trace")),
+            ("native --kv-bits 8", NATIVE, ["--kv-bits", "8"], ("trace",)),
+            ("native --draft-model", NATIVE, ["--draft-model", str(draft_dir)], ("trace",)),
+            ("native", NATIVE, [], ("shared",)),
+            ("native --kv-layout paged", NATIVE, ["--kv-layout", "paged"], ("shared",)),
+        ]
+        for name, command, flags, scenarios in runs:
+            print(f"{name}: {', '.join(scenarios)} ...", file=sys.stderr, flush=True)
+            full = [*command, "--model", str(model_dir), "--log-level", "WARNING", *flags]
+            with running_server(full, Path(tmp, "server.log"), STARTUP_TIMEOUT_S,
+                                STOP_TIMEOUT_S) as (port, _):
+                # Warm-up: one short request pays the one-time costs.
+                server_arrivals.stream(port, "w9 w10", 2, server_arrivals.Timed(0.0))
+                for scenario in scenarios:
+                    if scenario == "burst":
+                        row = server_arrivals.burst(port, vocab, args.seed)
+                    else:
+                        prefix = system if scenario == "shared" else ""
+                        row = server_arrivals.trace_row(scenario, port, vocab, args.seed,
+                                                        args.arrival_rate, prefix)
+                    row["server"] = name
+                    if command is NATIVE:
+                        row["prefix_hit_tokens"] = _counter(port, "mbd_prefix_hit_tokens_total")
+                        row["prompt_tokens"] = _counter(port, "mbd_prompt_tokens_total")
+                        drafted = _counter(port, "mbd_draft_tokens_total")
+                        if drafted:
+                            accepted = _counter(port, "mbd_accepted_draft_tokens_total")
+                            row["acceptance"] = accepted / drafted
+                    rows.append(row)
+                    print(f"  {scenario}: {row.get('seconds', row.get('largest_gap_s')):.2f} s, "
+                          f"{row['failed']} failed", file=sys.stderr, flush=True)
+
+    def row_of(server, scenario):
+        return next(r for r in rows if r["server"] == server and r["scenario"] == scenario)
+
+    peer_burst, peer_trace = row_of("mlx_lm.server", "burst"), row_of("mlx_lm.server", "trace")
+    for row in rows:
+        peer = peer_burst if row["scenario"] == "burst" else peer_trace
+        if row["scenario"] == "burst":
+            row["gap_vs_mlx_lm"] = row["largest_gap_s"] / peer["largest_gap_s"]
+            row["gap_over_step"] = row["largest_gap_s"] / row["step_during_prefill_s"]
+        elif row["scenario"] == "trace":
+            for key in ("seconds", "ttft_p50_s", "itl_p99_s"):
+                row[f"{key}_vs_mlx_lm"] = row[key] / peer[key]
+    equal = {
+        "native = mlx_lm.server (trace)": row_of("native", "trace")["texts"] == peer_trace["texts"],
+        "native = mlx_lm.server (burst)": row_of("native", "burst")["texts"] == peer_burst["texts"],
+        "draft = native (trace)": row_of("native --draft-model", "trace")["texts"]
+        == row_of("native", "trace")["texts"],
+    }
+    print(f"model: {CONFIG}, float32; trace at {args.arrival_rate} requests/s")
+    print_table(rows, [
+        ("server", "server", "{}"), ("scenario", "scenario", "{}"), ("failed", "failed", "{}"),
+        ("largest_gap_s", "largest gap s", "{:.2f}"), ("step_during_prefill_s", "step s", "{:.3f}"),
+        ("gap_vs_mlx_lm", "gap vs mlx-lm", "{:.2f}x"), ("gap_over_step", "gap / step", "{:.2f}"),
+        ("seconds", "seconds", "{:.1f}"), ("seconds_vs_mlx_lm", "time vs mlx-lm", "{:.2f}x"),
+        ("ttft_p50_s", "TTFT p50 s", "{:.2f}"), ("ttft_p50_s_vs_mlx_lm", "vs mlx-lm", "{:.2f}x"),
+        ("itl_p50_s", "ITL p50 s", "{:.3f}"), ("itl_p99_s", "ITL p99 s", "{:.3f}"),
+        ("itl_p99_s_vs_mlx_lm", "vs mlx-lm", "{:.2f}x"),
+        ("prefix_hit_tokens", "prefix hits", "{:.0f}"), ("acceptance", "accepted", "{:.0%}"),
+    ])
+    for label, same in equal.items():
+        print(f"{label}: {'identical texts' if same else 'TEXTS DIFFER'}")
+    for row in rows:
+        row.pop("texts")
+    path = save("server_arrivals", {"machine": machine(), "config": CONFIG, "args": vars(args),
+                                    "rows": rows, "texts_equal": equal})
+    print(f"saved {path}")
+    return 0 if all(equal.values()) else 1
+
+
 def main():
     args = _parse_args()
+    if args.arrivals:
+        return main_arrivals(args)
     rng = random.Random(args.seed)
     words = range(len(SPECIAL_TOKENS), CONFIG["vocab_size"])
     lengths = [rng.randint(*args.prompt_tokens) for _ in range(args.clients)]

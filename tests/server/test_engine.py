@@ -11,7 +11,6 @@ pytest.importorskip("starlette")
 pytest.importorskip("prometheus_client")
 
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
-from mlx_batched_decode.decoding.sampling import Sampler  # noqa: E402
 from mlx_batched_decode.server.engine import Engine, Submission  # noqa: E402
 from mlx_batched_decode.server.metrics import ServerMetrics  # noqa: E402
 from mlx_batched_decode.server.protocol import APIError  # noqa: E402
@@ -32,7 +31,7 @@ def loaded(tmp_path_factory):
 
 def submission(tokenizer, prompt, max_tokens, stop=()):
     return Submission(
-        list(prompt), max_tokens, Sampler(), TextStream(tokenizer, stop, max_tokens),
+        list(prompt), max_tokens, 0.0, 1.0, None, TextStream(tokenizer, stop, max_tokens),
         asyncio.get_running_loop(),
     )
 

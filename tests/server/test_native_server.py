@@ -8,16 +8,20 @@ small random-weight model folder, every server stopped at the end.
   cleanly and exits 0;
 - each decoder flag through HTTP: paged + prefix sharing (cached tokens), ``--kv-bits``,
   ``--draft-model`` (acceptance in ``/metrics``), ``/metrics`` read with prometheus_client's
-  parser.
+  parser;
+- ``--tensor-parallel`` over 2 ranks under mlx.launch.
 """
 
 import http.client
 import json
+import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +30,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 parser = pytest.importorskip("prometheus_client.parser")
 
-from mlx_batched_decode.tools.local_server import running_server  # noqa: E402
+from mlx_batched_decode.tools.local_server import free_port, healthy, running_server  # noqa: E402
 from mlx_batched_decode.tools.model_folder import (  # noqa: E402
     SPECIAL_TOKENS,
     save_model_folder,
@@ -326,3 +330,60 @@ def test_hang_ups_among_many_requests(model_dir, tmp_path):
             assert time.monotonic() < deadline, f"still held after the clients left: {counts}"
             time.sleep(0.1)
         assert counts["mbd_requests_total{finish_reason=cancelled}"] <= 67
+
+
+def _rank_zero(launcher_pid):
+    """The pid of rank 0 among the launcher's children (its environment says MLX_RANK=0); each
+    was started by one of the launcher's threads."""
+    tasks = Path(f"/proc/{launcher_pid}/task").iterdir()
+    children = [pid for task in tasks for pid in (task / "children").read_text().split()]
+    for pid in children:
+        if b"MLX_RANK=0\0" in Path(f"/proc/{pid}/environ").read_bytes() + b"\0":
+            return int(pid)
+    return None
+
+
+def test_tensor_parallel_over_two_ranks(model_dir, tmp_path):
+    """Under mlx.launch (2 ranks, ring backend on 127.0.0.1) rank 0 serves HTTP and both step
+    the sharded model in lockstep: greedy texts equal the unsharded model's, requests of any
+    temperature come back whole, and SIGTERM to rank 0 stops every rank with status 0."""
+    from mlx_lm.utils import load
+
+    from mlx_batched_decode.decoding.decoder import BatchedDecoder
+    from tests.integrations.test_tensor_parallel import LAUNCHER, _free_port_pair
+
+    if not LAUNCHER.exists():
+        pytest.skip(f"{LAUNCHER} not found")
+    model, tokenizer = load(str(model_dir))
+    prompts = [words(14, 5), words(15, 23), words(16, 11)]
+    tokens = [tokenizer.encode(p) for p in prompts]
+    expected = BatchedDecoder(model).generate(tokens, 12, stop_tokens=tokenizer.eos_token_ids)
+    port = free_port()
+    log = open(tmp_path / "tp.log", "wb")
+    launcher = subprocess.Popen(
+        [str(LAUNCHER), "-n", "2", "--backend", "ring", "--starting-port",
+         str(_free_port_pair()), "--python", sys.executable, "--", "-m",
+         "mlx_batched_decode.serve", "--tensor-parallel", "--model", str(model_dir),
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not healthy(port):
+            assert launcher.poll() is None, (tmp_path / "tp.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "tp.log").read_text()
+            time.sleep(0.2)
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda p: texts(port, [p], 12)[0], prompts))
+        assert got == [tokenizer.decode(t) for t in expected]
+        sampled = json.loads(post(port, "/v1/completions", {
+            "prompt": prompts[0], "max_tokens": 12, "temperature": 0.8})[2])
+        assert sampled["choices"][0]["finish_reason"] in ("stop", "length")
+        os.kill(_rank_zero(launcher.pid), signal.SIGTERM)
+        assert launcher.wait(STOP_TIMEOUT_S) == 0, (tmp_path / "tp.log").read_text()
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        log.close()

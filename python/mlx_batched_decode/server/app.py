@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -24,7 +25,6 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ..decoding.decoder import BatchedDecoder
-from ..decoding.sampling import Sampler
 from .engine import Engine, Submission
 from .metrics import ServerMetrics
 from .protocol import (
@@ -42,6 +42,8 @@ from .text_stream import Piece, TextStream
 # How often a request answered whole looks for its client having hung up.
 _DISCONNECT_CHECK_S = 0.5
 _NO_PIECE = object()
+# The largest request body read: far above any prompt a context holds.
+_MAX_BODY_BYTES = 64 << 20
 # mlx_lm.server's CORS headers, on every response.
 _CORS = {
     "Access-Control-Allow-Origin": "*",
@@ -134,12 +136,24 @@ def _submission(state: ServerState, request: CompletionRequest) -> Submission:
     except ValueError as error:
         raise APIError(400, str(error), code="kv_budget_exceeded") from error
     stream = TextStream(state.tokenizer, request.stop, request.max_tokens, initial_state)
-    sampler = Sampler(request.temperature, request.top_p, request.seed)
-    return Submission(prompt, request.max_tokens, sampler, stream, asyncio.get_running_loop())
+    seed = request.seed
+    if seed is None and state.engine.lockstep is not None:
+        # Every rank samples alike only from the same seed.
+        seed = random.getrandbits(31)
+    return Submission(
+        prompt, request.max_tokens, request.temperature, request.top_p, seed, stream,
+        asyncio.get_running_loop(),
+    )
 
 
 async def _read_body(request: Request) -> Any:
-    raw = await request.body()
+    """The JSON body, read up to ``_MAX_BODY_BYTES`` (413 past it)."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > _MAX_BODY_BYTES:
+            raise APIError(413, f"the request body exceeds {_MAX_BODY_BYTES} bytes",
+                           code="body_too_large")
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:

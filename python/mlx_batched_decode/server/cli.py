@@ -3,7 +3,9 @@
 mlx_lm.server's flags where they apply, and one for every ``BatchedDecoder`` feature. The
 process listens on 127.0.0.1 unless ``--host`` says otherwise; SIGINT or SIGTERM stops it
 cleanly: it accepts nothing more, lets the requests it holds end (at most
-``--shutdown-timeout`` seconds), and exits with status 0.
+``--shutdown-timeout`` seconds), and exits with status 0. With ``--tensor-parallel`` under
+``mlx.launch``, every rank loads its shard of the model; rank 0 serves HTTP and the others
+follow its plans (``lockstep.py``) until it stops.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="draft tokens per request and step with --draft-model (2)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds a stop waits for the requests held to end (30)")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="under mlx.launch: shard the model over the ranks; rank 0 serves "
+                        "HTTP, the others step in lockstep with it")
     return parser
 
 
@@ -113,13 +118,11 @@ def fingerprint() -> str:
     )
 
 
-def build_state(args: argparse.Namespace):
-    """Load the model(s) and make the decoder, engine and shared state from ``args``."""
+def build_decoder(args: argparse.Namespace, group=None):
+    """Load the model (and draft), sharded over ``group`` if given; returns the decoder and
+    the tokenizer."""
     from ..decoding.decoder import BatchedDecoder
-    from .app import ServerState
-    from .engine import Engine
-    from .metrics import ServerMetrics
-    from .protocol import DEFAULT_MODEL, Defaults
+    from ..integrations.tensor_parallel import shard
 
     for name in ("max_batch_size", "max_step_tokens", "num_draft_tokens", "max_tokens"):
         if getattr(args, name) < 1:
@@ -129,6 +132,10 @@ def build_state(args: argparse.Namespace):
     model, tokenizer = _load(args.model, args.chat_template)
     draft = None if args.draft_model is None else _load(args.draft_model, None)[0]
     try:
+        if group is not None:
+            shard(model, group)
+            if draft is not None:
+                shard(draft, group)
         decoder = BatchedDecoder(
             model,
             draft_model=draft,
@@ -144,11 +151,21 @@ def build_state(args: argparse.Namespace):
     except ValueError as error:
         # A model or a flag the decoder cannot serve: said once, no traceback.
         raise SystemExit(f"{PROG}: {error}") from error
+    return decoder, tokenizer
+
+
+def build_state(args: argparse.Namespace, decoder, tokenizer, lockstep=None):
+    """The engine and the state the handlers share, around ``decoder``."""
+    from .app import ServerState
+    from .engine import Engine
+    from .metrics import ServerMetrics
+    from .protocol import DEFAULT_MODEL, Defaults
+
     metrics = ServerMetrics()
     model_dir = Path(args.model)
     model_id = str(model_dir.resolve())
     return ServerState(
-        engine=Engine(decoder, metrics, args.max_batch_size, args.max_queue),
+        engine=Engine(decoder, metrics, args.max_batch_size, args.max_queue, lockstep),
         decoder=decoder,
         tokenizer=tokenizer,
         metrics=metrics,
@@ -214,8 +231,28 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
     from .app import create_app
+    from .lockstep import Lockstep, follow
 
-    state = build_state(args)
+    group = lockstep = None
+    if args.tensor_parallel:
+        import mlx.core as mx
+
+        group = mx.distributed.init()
+        if group.size() < 2:
+            raise SystemExit(
+                f"{PROG}: --tensor-parallel needs several processes: start it under mlx.launch, "
+                f"e.g. mlx.launch -n 2 --backend ring --python \"$(which python)\" -- -m "
+                "mlx_batched_decode.serve --tensor-parallel --model DIR"
+            )
+        lockstep = Lockstep(group)
+    decoder, tokenizer = build_decoder(args, group)
+    if group is not None and group.rank() != 0:
+        # Rank 0 owns the stop: a follower ends when its plans say so.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        follow(decoder, lockstep)
+        return
+    state = build_state(args, decoder, tokenizer, lockstep)
     logging.info(
         "serving %s on http://%s:%d (max batch %d, queue %d, %d tokens a step)",
         state.model_id, args.host, args.port, args.max_batch_size, args.max_queue,

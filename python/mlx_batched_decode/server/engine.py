@@ -9,6 +9,8 @@ next one is refused with 503 before anything is queued, however fast the thread 
 A request ends with its stop sequence or ``max_tokens``, or when its handler ``cancel``s it (a
 client that hung up): the decoder then drops it at the next step, its slot or blocks free. A
 step that raises ends the requests it held with an error; the thread goes on with the next.
+With tensor parallelism the thread runs on rank 0 and sends each step's plan to the other
+ranks first (``lockstep.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Optional
 
 from ..decoding.decoder import BatchedDecoder
 from ..decoding.sampling import Sampler
+from .lockstep import Admission, Lockstep, Plan
 from .metrics import ServerMetrics
 from .protocol import APIError
 from .text_stream import Piece, TextStream
@@ -30,16 +33,19 @@ from .text_stream import Piece, TextStream
 log = logging.getLogger("mlx_batched_decode.server")
 
 
-@dataclass
+@dataclass(eq=False)
 class Submission:
     """One accepted request, shared by its handler and the decoding thread.
 
     ``pieces`` receives the request's ``Piece``s, then ``None`` once it has ended (``error``
-    set if it failed). ``completion_tokens`` and ``cached_tokens`` count for its usage."""
+    set if it failed). ``completion_tokens`` and ``cached_tokens`` count for its usage.
+    ``temperature``, ``top_p`` and ``seed`` are how it samples (``sampler``)."""
 
     prompt: list[int]
     max_tokens: int
-    sampler: Sampler
+    temperature: float
+    top_p: float
+    seed: Optional[int]
     stream: TextStream
     loop: asyncio.AbstractEventLoop
     pieces: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -49,6 +55,9 @@ class Submission:
     ended: bool = False
     error: Optional[str] = None
     cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.sampler = Sampler(self.temperature, self.top_p, self.seed)
 
     @property
     def completion_tokens(self) -> int:
@@ -66,10 +75,17 @@ class Engine:
         metrics: the server's metrics, updated after every step.
         max_batch_size: the most requests the decoder holds at once.
         max_queue: the most accepted requests waiting for the decoder.
+        lockstep: with tensor parallelism (rank 0), where each step's plan goes first; every
+            submission then carries a seed.
     """
 
     def __init__(
-        self, decoder: BatchedDecoder, metrics: ServerMetrics, max_batch_size: int, max_queue: int
+        self,
+        decoder: BatchedDecoder,
+        metrics: ServerMetrics,
+        max_batch_size: int,
+        max_queue: int,
+        lockstep: Optional[Lockstep] = None,
     ):
         self.decoder = decoder
         self.metrics = metrics
@@ -82,6 +98,9 @@ class Engine:
         self._accepted = 0
         self._stopping = False
         self._live: dict[int, Submission] = {}
+        self.lockstep = lockstep
+        # Requests taken out of the decoder since the last plan (finished early, or failed).
+        self._dropped: list[int] = []
         self._counted = {name: 0 for name in _COUNTERS}
         self._thread = threading.Thread(target=self._run, name="mbd-decoder", daemon=True)
 
@@ -131,6 +150,8 @@ class Engine:
                 while not (self._incoming or self._cancels or self._live or self._stopping):
                     self._wake.wait()
                 if self._stopping and not (self._incoming or self._live):
+                    if self.lockstep is not None:
+                        self.lockstep.send(Plan(cancels=self._take_dropped(), stop=True))
                     return
                 cancels, self._cancels = self._cancels, []
                 for submission in cancels:
@@ -140,17 +161,27 @@ class Engine:
                 while self._incoming and len(self._live) + len(admitted) < self.max_batch_size:
                     admitted.append(self._incoming.popleft())
             for submission in cancels:
-                if submission.uid is not None and submission.uid in self._live:
-                    self.decoder.cancel(submission.uid)
-                    del self._live[submission.uid]
+                self._drop(submission)
                 self._end(submission, "cancelled")
+            plan = Plan(cancels=self._take_dropped(), step=False)
             for submission in admitted:
-                self._admit(submission)
-            if self._live:
+                if self._admit(submission):
+                    plan.admits.append(Admission(submission.prompt, submission.max_tokens,
+                                                 submission.temperature, submission.top_p,
+                                                 submission.seed))
+            plan.step = bool(self._live)
+            if self.lockstep is not None:
+                self.lockstep.send(plan)
+            if plan.step:
                 self._step()
             self._update_gauges()
 
-    def _admit(self, submission: Submission) -> None:
+    def _take_dropped(self) -> list[int]:
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def _admit(self, submission: Submission) -> bool:
+        """Add ``submission`` to the decoder; whether it went in."""
         try:
             submission.uid = self.decoder.add_request(
                 submission.prompt, submission.max_tokens, sampler=submission.sampler
@@ -159,8 +190,9 @@ class Engine:
             # Checked before it was accepted: this is a bug, reported to the client alone.
             log.exception("a request could not be added")
             self._end(submission, "error", str(error))
-            return
+            return False
         self._live[submission.uid] = submission
+        return True
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -168,10 +200,9 @@ class Engine:
             result = self.decoder.step()
         except Exception as error:  # noqa: BLE001 - the thread must outlive any one step
             log.exception("a decoder step failed; its requests end with an error")
-            for uid, submission in list(self._live.items()):
-                self.decoder.cancel(uid)
+            for submission in list(self._live.values()):
+                self._drop(submission)
                 self._end(submission, "error", f"the decoder step failed: {error}")
-            self._live.clear()
             return
         now = time.perf_counter()
         self.metrics.step_time.observe(now - start)
@@ -211,9 +242,10 @@ class Engine:
 
     def _drop(self, submission: Submission) -> None:
         """Take ``submission`` out of the decoder (its slot or blocks free now)."""
-        if self._live.pop(submission.uid, None) is not None:
+        if submission.uid is not None and self._live.pop(submission.uid, None) is not None:
             self.decoder.cancel(submission.uid)
             self.decoder.stats.requests.pop(submission.uid, None)
+            self._dropped.append(submission.uid)
 
     def _end(self, submission: Submission, reason: str, error: Optional[str] = None) -> None:
         if submission.ended:
