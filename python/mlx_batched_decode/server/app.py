@@ -104,11 +104,11 @@ def _tokenize(state: ServerState, request: CompletionRequest) -> tuple[list[int]
         )
     except Exception as error:  # noqa: BLE001 - a template's failure is the request's fault
         raise APIError(400, f"the chat template failed on these messages: {error}") from error
-    initial = "normal"
-    if tokenizer.has_thinking and tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(
-        prompt
-    ):
-        initial = "reasoning"
+    # A prompt that opens a thinking block and leaves it open starts the answer in it.
+    thinking = tokenizer.has_thinking and (
+        tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt)
+    )
+    initial = "reasoning" if thinking else "normal"
     return list(prompt), tokenizer.response_initial_state or initial
 
 
@@ -132,6 +132,7 @@ def _submission(state: ServerState, request: CompletionRequest) -> Submission:
             code="context_length_exceeded",
         )
     try:
+        # Reads only the decoder's configuration: safe beside the decoding thread.
         state.decoder.check_request(len(prompt), request.max_tokens)
     except ValueError as error:
         raise APIError(400, str(error), code="kv_budget_exceeded") from error

@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     decoder.add_argument("--max-queue", type=int, default=64,
                          help="the most accepted requests waiting beyond the batch (64); "
                          "more at once are answered 503")
-    decoder.add_argument("--max-step-tokens", type=int, default=256,
-                         help="tokens per step: decode tokens, then prompt chunks (256)")
+    decoder.add_argument("--max-step-tokens", type=int, default=128,
+                         help="tokens per step: decode tokens, then prompt chunks (128: half "
+                         "the decoder's default, for half its longest gap between two tokens)")
     decoder.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
                          help="keep keys/values quantized to this many bits")
     decoder.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,

@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (``GET /metrics``, Prometheus' text format).
 
 One ``CollectorRegistry`` per server, so that several servers in one process (tests) keep their
-own counts. The decoding thread updates them after every step (``ServerMetrics.after_step``).
+own counts. The decoding thread updates them as it steps (``Engine``).
 """
 
 from __future__ import annotations
