@@ -231,8 +231,8 @@ def _draft_folder(model_dir, path):
     return path
 
 
-def _counter(port, name):
-    """A counter's value from the server's ``/metrics`` (0 when absent)."""
+def metric_value(port, name):
+    """An unlabelled metric's value from the server's ``/metrics`` (0 when absent)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     connection.request("GET", "/metrics")
     for line in connection.getresponse().read().decode().splitlines():
@@ -275,11 +275,11 @@ def main_arrivals(args):
                                                         args.arrival_rate, prefix)
                     row["server"] = name
                     if command is NATIVE:
-                        row["prefix_hit_tokens"] = _counter(port, "mbd_prefix_hit_tokens_total")
-                        row["prompt_tokens"] = _counter(port, "mbd_prompt_tokens_total")
-                        drafted = _counter(port, "mbd_draft_tokens_total")
+                        row["prefix_hit_tokens"] = metric_value(port, "mbd_prefix_hit_tokens_total")
+                        row["prompt_tokens"] = metric_value(port, "mbd_prompt_tokens_total")
+                        drafted = metric_value(port, "mbd_draft_tokens_total")
                         if drafted:
-                            accepted = _counter(port, "mbd_accepted_draft_tokens_total")
+                            accepted = metric_value(port, "mbd_accepted_draft_tokens_total")
                             row["acceptance"] = accepted / drafted
                     rows.append(row)
                     print(f"  {scenario}: {row.get('seconds', row.get('largest_gap_s')):.2f} s, "

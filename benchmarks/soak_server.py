@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench_server import CONFIG, NATIVE, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S
+from bench_server import CONFIG, NATIVE, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, metric_value
 from common import machine, save
 from mlx_batched_decode.tools.local_server import running_server
 from mlx_batched_decode.tools.model_folder import SPECIAL_TOKENS, save_model_folder, word
@@ -40,15 +40,6 @@ def rss_bytes(pid):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
-
-
-def metric(port, name):
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request("GET", "/metrics")
-    for line in connection.getresponse().read().decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def one_request(port, rng):
@@ -117,7 +108,7 @@ def main():
             for t in threads:
                 t.join(REQUEST_TIMEOUT_S)
             time.sleep(1)
-            held = metric(port, "mbd_num_requests_running"), metric(port, "mbd_kv_cache_usage")
+            held = metric_value(port, "mbd_num_requests_running"), metric_value(port, "mbd_kv_cache_usage")
             samples.append((time.monotonic() - start, rss_bytes(process.pid)))
     print(file=sys.stderr)
     lost = [o for o in outcomes if o not in ("answered", "hung up")]

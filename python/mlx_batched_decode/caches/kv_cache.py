@@ -113,7 +113,8 @@ class SlotKVCache(SlotBuffers):
         Returns the strided views ``[B, H_kv, max_len, D]`` of the buffers that attention reads
         in place; positions at or past a request's ``valid_lens`` hold stale data, never read.
         """
-        self.reserve(context.batch_size, context.max_len, keys, values)
+        length = max(context.max_len, getattr(context, "reserve_len", 0))
+        self.reserve(context.batch_size, length, keys, values)
         return self.scatter(
             context.rows, context.new_positions, context.batch_size, context.max_len, keys, values
         )

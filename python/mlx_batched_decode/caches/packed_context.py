@@ -37,6 +37,8 @@ class PackedDecodeContext:
             its ``query_lens[b]``, its prompt's last token never among them) this step feeds:
             over a quantized cache they attend their own new keys unquantized, as mlx-lm's
             prefill does (``QuantizedSlotAttention``).
+        reserve_len: positions the slot caches make room for at least (the end of the longest
+            prompt being fed), so that a prompt fed in chunks grows them once, not per chunk.
 
     Derived fields:
         batch_size: B. num_tokens: N. query_len: 1, the tokens per row the model sees.
@@ -60,6 +62,7 @@ class PackedDecodeContext:
     layer_caches: Sequence[Any]
     ring_sizes: Sequence[int] = ()
     first_chunks: Sequence[tuple[int, int]] = ()
+    reserve_len: int = 0
     batch_size: int = field(init=False)
     num_tokens: int = field(init=False)
     query_len: int = field(init=False, default=1)

@@ -122,7 +122,8 @@ class QuantizedSlotKVCache:
         place; positions at or past a request's ``valid_lens`` hold stale data, never read.
         """
         new_keys, new_values = self.quantize(keys), self.quantize(values)
-        self.reserve(context.batch_size, context.max_len, new_keys, new_values)
+        length = max(context.max_len, getattr(context, "reserve_len", 0))
+        self.reserve(context.batch_size, length, new_keys, new_values)
         # One scatter per buffer for the whole batch, in place, as SlotKVCache.update.
         for buffer, x in zip(self.buffers(), (*new_keys, *new_values)):
             buffer[context.rows, :, context.new_positions] = x.swapaxes(1, 2)

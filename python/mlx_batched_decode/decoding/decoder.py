@@ -448,6 +448,8 @@ class BatchedDecoder:
             seq_lens=[r.seq_len for r in self._active],
             first_chunks=first_chunks,
             samplers=[r.sampler or sampler for r in self._active],
+            # Room for the longest prompt being fed at once: its chunks grow no cache.
+            reserve_len=max((len(r.prompt) for r, c in zip(self._active, chunks) if c), default=0),
         )
         if self._draft is None:
             tokens, _, _ = packed_round(self._target, None, step, 0)

@@ -91,9 +91,10 @@ class PagedServedModel:
         query_lens: Sequence[int],
         logit_rows: Sequence[int],
         first_chunks: Sequence[tuple[int, int]] = (),
+        reserve_len: int = 0,
     ) -> mx.array:
         """As ``ServedModel.forward_packed``, the tokens' keys/values written into the rows'
-        blocks."""
+        blocks (``reserve_len`` is not needed: blocks come as positions fill)."""
         context = self.cache.packed_context(self.rows, seq_lens, query_lens, first_chunks)
         attentions = [self.attention] * len(self.windows)
         logits = routed_forward(

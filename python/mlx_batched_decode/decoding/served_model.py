@@ -158,18 +158,19 @@ class ServedModel:
         query_lens: Sequence[int],
         logit_rows: Sequence[int],
         first_chunks: Sequence[tuple[int, int]] = (),
+        reserve_len: int = 0,
     ) -> mx.array:
         """One packed step: int32 ``tokens [N]``, request ``b``'s ``query_lens[b]`` of them at
         positions ``seq_lens[b] ..`` -> the logits ``[len(logit_rows), V]`` (lazy) of the
         tokens at packed rows ``logit_rows``. Writes every token's keys/values.
-        ``first_chunks``: as ``PackedDecodeContext``'s."""
+        ``first_chunks``, ``reserve_len``: as ``PackedDecodeContext``'s."""
         layer_caches = self.slot_caches
         if layer_caches is None:
             layer_caches = [
                 [row[layer] for row in self.seed_rows] for layer in range(self.num_layers)
             ]
         context = PackedDecodeContext(
-            seq_lens, query_lens, layer_caches, self.ring_sizes, first_chunks
+            seq_lens, query_lens, layer_caches, self.ring_sizes, first_chunks, reserve_len
         )
         logits = routed_forward(
             self.model, tokens[:, None], context, self.attentions, self.windows,

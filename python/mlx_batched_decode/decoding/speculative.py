@@ -52,7 +52,8 @@ class PackedRound(NamedTuple):
     last token, else ``None``), ``chunks[b]`` (a prefilling request's prompt tokens this step,
     maybe none), ``ending[b]`` (its chunk ends its prompt: it samples its first token),
     ``seq_lens[b]`` (its positions cached), ``first_chunks`` (``PackedDecodeContext``'s) and
-    ``samplers[b]`` (how it chooses its tokens, the draft's proposals too)."""
+    ``samplers[b]`` (how it chooses its tokens, the draft's proposals too); ``reserve_len``:
+    ``PackedDecodeContext``'s."""
 
     next_tokens: list[Optional[int]]
     chunks: list[list[int]]
@@ -60,6 +61,7 @@ class PackedRound(NamedTuple):
     seq_lens: list[int]
     first_chunks: list[tuple[int, int]]
     samplers: list[Sampler]
+    reserve_len: int = 0
 
 
 def packed_round(
@@ -87,7 +89,8 @@ def packed_round(
                 s + j if t is not None else s for s, t in zip(step.seq_lens, step.next_tokens)
             ]
             logits = draft.forward_packed(
-                tokens, seq_lens, counts, rows if j < k else [], step.first_chunks if j == 0 else ()
+                tokens, seq_lens, counts, rows if j < k else [],
+                step.first_chunks if j == 0 else (), step.reserve_len,
             )
             if j < k and running:
                 tokens = sample_rows([step.samplers[b] for b in running], logits)
@@ -110,7 +113,9 @@ def packed_round(
             logit_rows.append(ends[b] - 1)
             row_samplers.append(step.samplers[b])
     tokens = _pack(step, proposal)
-    logits = target.forward_packed(tokens, step.seq_lens, counts, logit_rows, step.first_chunks)
+    logits = target.forward_packed(
+        tokens, step.seq_lens, counts, logit_rows, step.first_chunks, step.reserve_len
+    )
     outputs = [target.cache_arrays()] + ([draft.cache_arrays()] if draft is not None else [])
     if not logit_rows:
         # Only chunks that end no prompt: their keys/values are the step's whole output.
