@@ -117,10 +117,14 @@ class PagedKVCache:
 
     def cached_prefix(self, tokens: Sequence[int]) -> list[int]:
         """The cached blocks holding the longest run of ``tokens``' leading full blocks."""
+        return self.cached_blocks(block_hashes(tokens, self.block_size))
+
+    def cached_blocks(self, names: Sequence[int]) -> list[int]:
+        """As ``cached_prefix``, from the full blocks' names (``block_hashes``) a caller kept."""
         if not self.prefix_sharing:
             return []
         blocks = []
-        for block_hash in block_hashes(tokens, self.block_size):
+        for block_hash in names:
             block = self.allocator.lookup(block_hash)
             if block is None:
                 break
@@ -223,9 +227,13 @@ class PagedKVCache:
     def register_prompt(self, rid: Hashable, tokens: Sequence[int]) -> None:
         """Record ``rid``'s full blocks of ``tokens`` (written at positions 0..) as cached
         prefixes that later requests may share."""
+        self.register_blocks(rid, block_hashes(tokens, self.block_size))
+
+    def register_blocks(self, rid: Hashable, names: Sequence[int]) -> None:
+        """As ``register_prompt``, from the names of ``rid``'s leading full blocks."""
         if not self.prefix_sharing:
             return
-        for block, block_hash in zip(self.tables[rid], block_hashes(tokens, self.block_size)):
+        for block, block_hash in zip(self.tables[rid], names):
             self.allocator.register(block, block_hash)
 
     # -- decode steps -------------------------------------------------------------------------

@@ -392,7 +392,7 @@ class BatchedDecoder:
         if not cache.prefix_sharing:
             return False
         hashes = self._block_names(request)
-        cached = len(cache.cached_prefix(request.prompt[:-1]))
+        cached = len(cache.cached_blocks(hashes))
         if cached == len(hashes):
             return False
         return any(hashes[cached] in self._block_names(r) for r in self._active if r.prefilling)
@@ -461,10 +461,11 @@ class BatchedDecoder:
         for row, (request, chunk, out) in enumerate(zip(self._active, chunks, tokens)):
             # Every token's keys/values but the last emitted one are now in the caches.
             request.seq_len += len(chunk) if chunk else len(out or ())
-            if chunk and self._paged is not None:
-                # Its prompt's blocks written so far become cached prefixes at once.
+            if chunk and self._paged is not None and self._paged.cache.prefix_sharing:
+                # Its prompt's full blocks written so far become cached prefixes at once.
                 written = min(request.seq_len, len(request.prompt) - 1)
-                self._paged.register(request.uid, request.prompt[:written])
+                full = written // self._paged.cache.block_size
+                self._paged.register(request.uid, self._block_names(request)[:full])
             if out:
                 proposals.append((row, (request, out)))
         return self._finish_step(proposals, start, fed_prompts=any(chunks))

@@ -72,10 +72,10 @@ class PagedServedModel:
             self.rows.append(uid)
         return hit
 
-    def register(self, uid: int, tokens: Sequence[int]) -> None:
-        """``tokens``, now written at positions 0.. of ``uid``: its full blocks become cached
-        prefixes later requests may share."""
-        self.cache.register_prompt(uid, tokens)
+    def register(self, uid: int, names: Sequence[int]) -> None:
+        """``uid``'s leading full blocks, named ``names`` (``block_hashes``) and now written,
+        become cached prefixes later requests may share."""
+        self.cache.register_blocks(uid, names)
 
     def release(self, row: int, last: int) -> None:
         """Request of row ``row`` leaves (its blocks go back); row ``last``'s request moves

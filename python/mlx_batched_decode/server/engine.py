@@ -211,12 +211,11 @@ class Engine:
             if submission is not None:
                 self._emit(submission, tokens, now)
         for uid in result.finished:
+            self.decoder.stats.requests.pop(uid, None)
             submission = self._live.pop(uid, None)
             if submission is not None:
                 # The decoder's budget ran out with the last token (already sent as "length").
                 self._end(submission, "length")
-        for uid in result.finished:
-            self.decoder.stats.requests.pop(uid, None)
 
     def _emit(self, submission: Submission, tokens: list[int], now: float) -> None:
         if submission.last_emitted is None:
