@@ -71,6 +71,82 @@ GEMMA3_TEXT = dict(
 )
 
 
+# DeepSeek-V3's multi-head latent attention: latent 32 + rope 8 keys per token, one KV head
+# in latent space; a query LoRA, a yarn rope whose mscale enters the scale, a MoE layer.
+_MLA = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    max_position_embeddings=512,
+    vocab_size=VOCAB,
+)
+DEEPSEEK_V3 = dict(
+    _MLA,
+    model_type="deepseek_v3",
+    q_lora_rank=24,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    rope_scaling=dict(
+        type="yarn",
+        factor=4.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+        original_max_position_embeddings=128,
+        beta_fast=32,
+        beta_slow=1,
+    ),
+)
+# GLM-4.7-Flash: DeepSeek-V3's attention, values narrower than the no-rope key part.
+GLM4_MOE_LITE = dict(
+    _MLA,
+    model_type="glm4_moe_lite",
+    q_lora_rank=None,
+    qk_nope_head_dim=24,
+    v_head_dim=12,
+    n_routed_experts=None,
+    first_k_dense_replace=99,
+)
+# Kimi K2.5: DeepSeek-V3's text model inside a multimodal wrapper.
+KIMI_K25 = dict(model_type="kimi_k25", text_config=dict(_MLA, model_type="deepseek_v3"))
+# DeepSeek-V2: per-head keys of 16 + 8 and values of 16, rope keys copied into every head.
+DEEPSEEK_V2 = dict(_MLA, model_type="deepseek_v2", q_lora_rank=None, rope_scaling={"factor": 1.0})
+# MiniCPM3: DeepSeek-V2's layout (keys 24, values 16 = hidden / heads), a query LoRA.
+MINICPM3 = dict(
+    {k: v for k, v in _MLA.items() if k != "v_head_dim"},
+    model_type="minicpm3",
+    q_lora_rank=16,
+    dim_model_base=64,
+    scale_depth=1.0,
+    scale_emb=1.0,
+    rms_norm_eps=1e-5,
+    rope_scaling={},
+)
+# Gemma 2: GQA group 2, logits soft-capped at 5 (small enough to bite at random weights),
+# query scale 20 ** -0.5, not D ** -0.5.
+GEMMA2 = dict(
+    model_type="gemma2",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-6,
+    vocab_size=VOCAB,
+    attn_logit_softcapping=5.0,
+    query_pre_attn_scalar=20.0,
+)
+
+
 def random_prompts(lens, seed=0):
     """One prompt of random token ids per length in ``lens``, the same for the same seed."""
     rng = random.Random(seed)

@@ -148,10 +148,30 @@ def _mask(query_positions: mx.array, keys: mx.array, window: Optional[int]) -> m
 
 
 def _sdpa(queries, keys, values, mask: Optional[mx.array], options: AttendOptions) -> mx.array:
-    """MLX's fused attention of ``queries [B, H_q, L, D]`` with the seed's mask, if any."""
+    """MLX's fused attention of ``queries [B, H_q, L, D]`` with the seed's mask, if any; with a
+    ``softcap``, which the fused attention lacks, the same attention in plain MLX ops."""
     scale = 1.0 / math.sqrt(queries.shape[-1]) if options.scale is None else options.scale
     if mask is not None:
         mask = mask.astype(queries.dtype)
+    if options.softcap is not None:
+        return _softcapped(queries, keys, values, mask, scale, options)
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, sinks=options.sinks
     )
+
+
+def _softcapped(queries, keys, values, mask, scale: float, options: AttendOptions) -> mx.array:
+    """Attention with scores ``softcap * tanh(scale * q . k / softcap)``, as Gemma 2 computes it:
+    the H_q / H_kv query heads of a group attend their KV head (``[B, H_kv, G, L, D]``), the
+    ``[B, 1, L, T]`` mask joins as ``[B, 1, 1, L, T]``. No sinks: no model caps and sinks."""
+    if options.sinks is not None:
+        raise ValueError("[SeedAttention] softcap with sinks is not supported")
+    batch, heads, rows, dim = queries.shape
+    kv_heads = keys.shape[1]
+    grouped = (queries * scale).reshape(batch, kv_heads, heads // kv_heads, rows, dim)
+    scores = grouped @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
+    scores = mx.tanh(scores / options.softcap) * options.softcap
+    if mask is not None:
+        scores = scores + mx.expand_dims(mask, 2)
+    out = mx.softmax(scores, axis=-1, precise=True) @ mx.expand_dims(values, 2)
+    return out.reshape(batch, heads, rows, -1)

@@ -64,7 +64,9 @@ def place_on_huge_pages(buffers: Iterable[mx.array]) -> None:
 
 class SlotBuffers:
     """The key and value buffers ``[slots, H_kv, capacity, D]`` of a slot cache, made on its
-    first write (``None`` before): what every slot-cache kind reports of them."""
+    first write (``None`` before): what every slot-cache kind reports of them. A cache written
+    with ``values=None`` keeps keys only (multi-head latent attention reads its values as the
+    keys' first columns) and its ``values`` stay ``None``."""
 
     keys: Optional[mx.array] = None
     values: Optional[mx.array] = None
@@ -79,7 +81,11 @@ class SlotBuffers:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return sum(buffer.nbytes for buffer in self.buffers())
+
+    def buffers(self) -> list[mx.array]:
+        """The buffers made so far: keys, then values (if kept)."""
+        return [b for b in (self.keys, self.values) if b is not None]
 
     def scatter(
         self,
@@ -88,8 +94,8 @@ class SlotBuffers:
         slots: int,
         length: int,
         keys: mx.array,
-        values: mx.array,
-    ) -> tuple[mx.array, mx.array]:
+        values: Optional[mx.array],
+    ) -> tuple[mx.array, Optional[mx.array]]:
         """Write new ``[M, H_kv, L, D]`` keys/values of slots ``rows`` at ``positions`` ``[M, L]``
         (M = B requests of L tokens, or N packed tokens of one) and return the strided views
         ``[slots, H_kv, length, D]`` attention reads in place.
@@ -98,6 +104,8 @@ class SlotBuffers:
         index arrays broadcast to [M, L] and sit apart, so the updates are [M, L, H_kv, D].
         """
         self.keys[rows, :, positions] = keys.swapaxes(1, 2)
+        if values is None:
+            return self.keys[:slots, :, :length], None
         self.values[rows, :, positions] = values.swapaxes(1, 2)
         return self.keys[:slots, :, :length], self.values[:slots, :, :length]
 
@@ -105,10 +113,10 @@ class SlotBuffers:
         """Copy the first ``length`` positions of slot ``src``'s buffers into slot ``dst``."""
         if length == 0:
             return
-        # Materialise the piece first: a live view of the buffer would stop MLX from
+        # Materialise the pieces first: a live view of a buffer would stop MLX from
         # updating the buffer in place and turn this into a copy of the whole buffer.
-        keys = mx.contiguous(self.keys[src : src + 1, :, :length])
-        values = mx.contiguous(self.values[src : src + 1, :, :length])
-        mx.eval(keys, values)
-        self.keys[dst : dst + 1, :, :length] = keys
-        self.values[dst : dst + 1, :, :length] = values
+        buffers = self.buffers()
+        pieces = [mx.contiguous(b[src : src + 1, :, :length]) for b in buffers]
+        mx.eval(pieces)
+        for buffer, piece in zip(buffers, pieces):
+            buffer[dst : dst + 1, :, :length] = piece

@@ -76,9 +76,11 @@ class SlotKVCache(SlotBuffers):
     def __init__(self, step: int = 256):
         self.step = check_step("SlotKVCache", step)
 
-    def reserve(self, slots: int, length: int, keys: mx.array, values: mx.array) -> None:
+    def reserve(
+        self, slots: int, length: int, keys: mx.array, values: Optional[mx.array]
+    ) -> None:
         """Make room for ``slots`` slots of ``length`` positions, shaped and typed like
-        ``keys``/``values``.
+        ``keys``/``values`` (``values=None``: keys only, see ``SlotBuffers``).
 
         Growing copies the buffers once: the slot count at least doubles and the capacity grows
         to a multiple of ``step``; a cache that is big enough is left untouched.
@@ -86,28 +88,31 @@ class SlotKVCache(SlotBuffers):
         if self.keys is None:
             capacity = round_up(max(length, 1), self.step)
             self.keys = mx.zeros((slots, keys.shape[1], capacity, keys.shape[3]), keys.dtype)
-            self.values = mx.zeros(
-                (slots, values.shape[1], capacity, values.shape[3]), values.dtype
-            )
+            if values is not None:
+                self.values = mx.zeros(
+                    (slots, values.shape[1], capacity, values.shape[3]), values.dtype
+                )
         else:
             widths = slot_growth(slots, length, self.slots, self.capacity, self.step)
             if widths is None:
                 return
             self.keys = mx.pad(self.keys, widths)
-            self.values = mx.pad(self.values, widths)
-        place_on_huge_pages([self.keys, self.values])
+            if self.values is not None:
+                self.values = mx.pad(self.values, widths)
+        place_on_huge_pages(self.buffers())
 
-    def write_prompt(self, slot: int, keys: mx.array, values: mx.array) -> None:
+    def write_prompt(self, slot: int, keys: mx.array, values: Optional[mx.array]) -> None:
         """Store a prefilled request's ``[1, H_kv, L, D]`` keys/values at positions
         ``0..L-1`` of ``slot``."""
         length = keys.shape[2]
         self.reserve(slot + 1, length, keys, values)
         self.keys[slot : slot + 1, :, :length] = keys
-        self.values[slot : slot + 1, :, :length] = values
+        if values is not None:
+            self.values[slot : slot + 1, :, :length] = values
 
     def update(
-        self, keys: mx.array, values: mx.array, context: BatchedDecodeContext
-    ) -> tuple[mx.array, mx.array]:
+        self, keys: mx.array, values: Optional[mx.array], context: BatchedDecodeContext
+    ) -> tuple[mx.array, Optional[mx.array]]:
         """Write the step's new ``[B, H_kv, L, D]`` keys/values at ``context.new_positions``.
 
         Returns the strided views ``[B, H_kv, max_len, D]`` of the buffers that attention reads

@@ -204,7 +204,9 @@ class PagedKVCache:
             rows = self._view(pool[blocks])
             return rows.reshape(-1, *rows.shape[2:])[:length].swapaxes(0, 1)[None]
 
-        return [(gather(k), gather(v)) for k, v in zip(self.keys, self.values)]
+        return [
+            (gather(k), None if v is None else gather(v)) for k, v in zip(self.keys, self.values)
+        ]
 
     def write_prompt(
         self, rid: Hashable, start: int, layers_kv: Sequence[tuple[mx.array, mx.array]]
@@ -222,7 +224,8 @@ class PagedKVCache:
         for layer, (keys, values) in enumerate(layers_kv):
             self._ensure_pools(layer, keys, values)
             self._scatter(self.keys[layer], blocks, rows, keys[0].swapaxes(0, 1))
-            self._scatter(self.values[layer], blocks, rows, values[0].swapaxes(0, 1))
+            if values is not None:
+                self._scatter(self.values[layer], blocks, rows, values[0].swapaxes(0, 1))
 
     def register_prompt(self, rid: Hashable, tokens: Sequence[int]) -> None:
         """Record ``rid``'s full blocks of ``tokens`` (written at positions 0..) as cached
@@ -283,23 +286,30 @@ class PagedKVCache:
         )
 
     def write(
-        self, layer: int, keys: mx.array, values: mx.array, context: PagedDecodeContext
-    ) -> tuple[mx.array, mx.array]:
+        self,
+        layer: int,
+        keys: mx.array,
+        values: Optional[mx.array],
+        context: PagedDecodeContext,
+    ) -> tuple[mx.array, Optional[mx.array]]:
         """Write the step's new ``[B, H_kv, L, D]`` keys/values of ``layer`` at the context's
         slots (one scatter per pool, in place; a ``PagedPackedContext``'s ``[N, H_kv, 1, D]``
         tokens alike); return the layer's pools as the op reads them,
-        ``[N, block_size, H_kv, D]``."""
+        ``[N, block_size, H_kv, D]``. A layer written with ``values=None`` keeps a key pool
+        only (multi-head latent attention: its values are the keys' first columns)."""
         self._ensure_pools(layer, keys, values)
         # Updates [B, L, H_kv, D] for the broadcast [B, L] (block, row) pairs.
         blocks, rows = context.write_blocks, context.write_rows
         self._scatter(self.keys[layer], blocks, rows, keys.swapaxes(1, 2))
-        self._scatter(self.values[layer], blocks, rows, values.swapaxes(1, 2))
+        if values is not None:
+            self._scatter(self.values[layer], blocks, rows, values.swapaxes(1, 2))
         return self.pools(layer)
 
-    def pools(self, layer: int) -> tuple[mx.array, mx.array]:
+    def pools(self, layer: int) -> tuple[mx.array, Optional[mx.array]]:
         """The key and value pools of ``layer`` as the op reads them, ``[N, block_size, H_kv, D]``
-        (views of head-major storage)."""
-        return self._view(self.keys[layer]), self._view(self.values[layer])
+        (views of head-major storage); ``None`` for a layer that keeps no values."""
+        values = self.values[layer]
+        return self._view(self.keys[layer]), None if values is None else self._view(values)
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -338,15 +348,13 @@ class PagedKVCache:
         else:
             block = self._allocate(rid)
         self._grow_pools()
-        layers = [layer for layer in range(self.num_layers) if self.keys[layer] is not None]
-        key_pieces = [self.keys[layer][shared] for layer in layers]
-        value_pieces = [self.values[layer][shared] for layer in layers]
+        pools = [pool for pool in self.keys + self.values if pool is not None]
+        pieces = [pool[shared] for pool in pools]
         # Evaluate the copies first: a live view of a pool would make the write below copy
         # the whole pool instead of updating it in place.
-        mx.eval(key_pieces, value_pieces)
-        for layer, key_piece, value_piece in zip(layers, key_pieces, value_pieces):
-            self.keys[layer][block] = key_piece
-            self.values[layer][block] = value_piece
+        mx.eval(pieces)
+        for pool, piece in zip(pools, pieces):
+            pool[block] = piece
         self.allocator.release(shared)
         return block
 
@@ -355,14 +363,17 @@ class PagedKVCache:
         if self._copies[block] == 0:
             del self._copies[block]
 
-    def _ensure_pools(self, layer: int, keys: mx.array, values: mx.array) -> None:
+    def _ensure_pools(self, layer: int, keys: mx.array, values: Optional[mx.array]) -> None:
         if self.keys[layer] is None:
             rows = (self.block_size, keys.shape[1])
             if self.pool_layout == "head-major":
                 rows = rows[::-1]
             self.keys[layer] = mx.zeros((self.num_blocks, *rows, keys.shape[3]), keys.dtype)
-            self.values[layer] = mx.zeros((self.num_blocks, *rows, values.shape[3]), values.dtype)
-            place_on_huge_pages([self.keys[layer], self.values[layer]])
+            if values is not None:
+                shape = (self.num_blocks, *rows, values.shape[3])
+                self.values[layer] = mx.zeros(shape, values.dtype)
+            made = (self.keys[layer], self.values[layer])
+            place_on_huge_pages([pool for pool in made if pool is not None])
         self._grow_pools()
 
     def _grow_pools(self) -> None:

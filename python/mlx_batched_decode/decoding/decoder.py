@@ -73,13 +73,15 @@ class _Request:
 
 
 class BatchedDecoder:
-    """Batched decoding of an mlx-lm model (Llama, Qwen2, Qwen3, Mistral, Ministral 3, Gemma 3,
-    gpt-oss, ...), its code unchanged.
+    """Batched decoding of an mlx-lm model (Llama, Qwen2, Qwen3, Mistral, Ministral 3, Gemma 2
+    and 3, gpt-oss, DeepSeek-V2, MiniCPM3; DeepSeek-V3, Kimi K2 / K2.5 and GLM-4.7-Flash in
+    latent space, ...), its code unchanged.
 
     Args:
         model: an mlx-lm ``Model`` whose layers use ``KVCache`` (full attention) or
             ``RotatingKVCache`` (sliding window) and call mlx-lm's ``scaled_dot_product_attention``
-            (attention sinks and any head dim are served).
+            (attention sinks and any head dim are served; multi-head latent attention layers
+            decode in latent space, ``latent_attention``) or are Gemma 2's (soft caps).
         draft_model: an mlx-lm model with the same vocabulary, served the same way: decode
             speculatively, ``num_draft_tokens`` draft tokens per request and step.
         num_draft_tokens: k >= 1, draft tokens per request per step (with ``draft_model``).

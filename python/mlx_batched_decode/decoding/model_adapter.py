@@ -17,7 +17,10 @@ layer's window travel as the context's ``valid_lens`` and the cache's ``window``
 is a module-level function of mlx-lm that never asks its cache to attend, so ``route_attention``
 rebinds that name, in the model's own modules and only while a step runs, to a function that
 sends ``StepLayerCache`` layers (with their sinks) to our attention; every other cache goes to
-mlx-lm's original. The model's code is not changed. mlx-lm is imported lazily: the core
+mlx-lm's original. Two kinds of layer take more: multi-head latent attention layers keep one
+latent row per token and attend in latent space (``latent_attention``), and layers that attend
+by hand (Gemma 2's soft-capped attention) have their class's ``__call__`` replaced for the step
+(``gemma2_attention``). The model's code is not changed. mlx-lm is imported lazily: the core
 package does not need it.
 
 Dimension legend: B = requests in the step, L = new tokens per request in the step,
@@ -35,6 +38,8 @@ import mlx.nn as nn
 
 from ..attention.base import DecodeAttention
 from ..caches.context import BatchedDecodeContext
+from .gemma2_attention import STEP_CALLS
+from .latent_attention import LatentSpec, latent_queries, rope_identity
 
 
 class StepLayerCache:
@@ -46,6 +51,8 @@ class StepLayerCache:
         layer: the layer's index into ``context.layer_caches``.
         window: the layer's sliding window (keys a token attends, itself included), ``None``
             for full attention.
+        latent: the widths of a multi-head latent attention layer (``latent_attention``),
+            ``None`` for any other.
     """
 
     def __init__(
@@ -54,12 +61,15 @@ class StepLayerCache:
         context: BatchedDecodeContext,
         layer: int,
         window: Optional[int] = None,
+        latent: Optional[LatentSpec] = None,
     ):
         self.attention = attention
         self.context = context
         self.layer = layer
         self.window = window
+        self.latent = latent
         self.new_keys_values: Optional[tuple[mx.array, mx.array]] = None
+        self.latent_keys: Optional[mx.array] = None
 
     @property
     def offset(self) -> mx.array:
@@ -73,9 +83,26 @@ class StepLayerCache:
                 f"[StepLayerCache] this step feeds {self.context.query_len} tokens per request, "
                 f"the layer got {keys.shape[2]}"
             )
+        if self.latent is not None:
+            return self._update_latent(keys, values)
         # Kept for attend: a quantized cache's first prompt chunks attend them unquantized.
         self.new_keys_values = (keys, values)
         return self.attention.update(self.context, self.layer, keys, values)
+
+    def _update_latent(self, latent: mx.array, rope_keys: mx.array) -> tuple[mx.array, mx.array]:
+        """An MLA layer's ``[N, 1, L, r]`` latent and ``[N, 1, L, R]`` rope keys -> the
+        ``[N, 1, max_len, r + R]`` keys it attends (as its ``kv_latent``) and the rope identity
+        in place of its rope keys (``latent_attention``)."""
+        spec = self.latent
+        if latent.shape[-1] != spec.latent_dim or rope_keys.shape[-1] != spec.rope_dim:
+            raise ValueError(
+                f"[BatchedDecoder] MLA layer {self.layer} writes a latent of "
+                f"{latent.shape[-1]} and rope keys of {rope_keys.shape[-1]}, expected "
+                f"{spec.latent_dim} and {spec.rope_dim}"
+            )
+        keys = mx.concatenate([latent, rope_keys.astype(latent.dtype)], axis=-1)
+        self.latent_keys, _ = self.attention.update(self.context, self.layer, keys, None)
+        return self.latent_keys, rope_identity(spec.rope_dim, latent.dtype)
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: Optional[int] = None
@@ -105,8 +132,10 @@ class StepLayerCache:
         values: mx.array,
         scale: float,
         sinks: Optional[mx.array] = None,
+        softcap: Optional[float] = None,
     ) -> mx.array:
-        """``queries [B, H_q, L, D]`` -> ``[B, H_q, L, D]``; ``sinks`` ``[H_q]`` or ``None``."""
+        """``queries [B, H_q, L, D]`` -> ``[B, H_q, L, Dv]``; ``sinks`` ``[H_q]`` or ``None``,
+        ``softcap`` as the op's."""
         return self.attention.attend(
             self.context,
             queries,
@@ -115,7 +144,24 @@ class StepLayerCache:
             scale=scale,
             window=self.window,
             sinks=sinks,
+            softcap=softcap,
             new_keys_values=self.new_keys_values,
+        )
+
+    def attend_latent(
+        self, queries: mx.array, keys: mx.array, rope_scores: Optional[mx.array], scale: float
+    ) -> mx.array:
+        """An MLA layer's routed call: absorbed ``queries [N, H, 1, r]`` over the ``keys`` its
+        ``update_and_fetch`` returned, ``rope_scores`` (the call's ``mask``) ``[N, H, 1, R]``
+        -> ``[N, H, 1, r]``, one KV head read once for all H query heads."""
+        if keys is not self.latent_keys:
+            raise ValueError(
+                f"[BatchedDecoder] MLA layer {self.layer} attends keys other than the latent "
+                "rows its cache returned"
+            )
+        queries = latent_queries(self.latent, queries, rope_scores, scale)
+        return self.attention.attend_latent(
+            self.context, queries, keys, self.latent.latent_dim, scale=1.0, window=self.window
         )
 
 
@@ -127,14 +173,17 @@ def routed_forward(
     windows: list[Optional[int]],
     routed_modules: list[Any],
     logit_rows: Optional[Sequence[int]] = None,
+    latents: Optional[Sequence[Optional[LatentSpec]]] = None,
 ) -> mx.array:
     """One step's forward pass of ``model``: int32 ``tokens [B, L]`` -> logits ``[B, L, V]``
-    (lazy), layer ``i`` attending through ``attentions[i]`` within ``windows[i]``, every layer
-    reading the one ``context``. With ``logit_rows`` only those rows' logits, ``[R, L, V]``:
-    the model's head runs on their hidden states alone (``head_on_rows``)."""
+    (lazy), layer ``i`` attending through ``attentions[i]`` within ``windows[i]`` (in latent
+    space with ``latents[i]``), every layer reading the one ``context``. With ``logit_rows``
+    only those rows' logits, ``[R, L, V]``: the model's head runs on their hidden states alone
+    (``head_on_rows``)."""
+    latents = latents or [None] * len(attentions)
     step_caches = [
-        StepLayerCache(attention, context, layer, window)
-        for layer, (attention, window) in enumerate(zip(attentions, windows))
+        StepLayerCache(attention, context, layer, window, latent)
+        for layer, (attention, window, latent) in enumerate(zip(attentions, windows, latents))
     ]
     if logit_rows is None:
         with route_attention(routed_modules):
@@ -167,28 +216,34 @@ def head_on_rows(model: nn.Module, rows: mx.array) -> Iterator[bool]:
     """While active, the model body (mlx-lm's ``model.model``, whose output its ``__call__``
     hands to the head) returns only the hidden states of ``rows``, so that the head (the
     vocabulary projection, the costliest matmul of a chunk) runs on those alone. Yields whether
-    the model has such a body; without one, nothing changes."""
-    body = getattr(model, "model", None)
+    the model has such a body; without one, nothing changes. A wrapper whose ``model`` is a
+    read-only property (Kimi K2.5's, over its ``language_model``) has it set on the owner."""
+    owner = model
+    while isinstance(getattr(type(owner), "model", None), property):
+        owner = getattr(owner, "language_model", None)
+    body = getattr(owner, "model", None)
     if not isinstance(body, nn.Module):
         yield False
         return
-    model.model = _Rows(body, rows)
+    owner.model = _Rows(body, rows)
     try:
         yield True
     finally:
-        model.model = body
+        owner.model = body
 
 
 def mlx_lm_attention_modules(model: nn.Module) -> list[Any]:
     """The Python modules of ``model``'s layers that call mlx-lm's
-    ``scaled_dot_product_attention``."""
+    ``scaled_dot_product_attention`` or whose attention class has a step forward pass
+    (``STEP_CALLS``)."""
     from mlx_lm.models import base
 
     found = {}
     for _, module in model.named_modules():
         python_module = sys.modules.get(type(module).__module__)
-        if (
-            getattr(python_module, "scaled_dot_product_attention", None)
+        if python_module is not None and (
+            python_module.__name__ in STEP_CALLS
+            or getattr(python_module, "scaled_dot_product_attention", None)
             is base.scaled_dot_product_attention
         ):
             found[python_module.__name__] = python_module
@@ -203,7 +258,8 @@ def mlx_lm_attention_modules(model: nn.Module) -> list[Any]:
 @contextmanager
 def route_attention(python_modules: list[Any]) -> Iterator[None]:
     """While active, ``StepLayerCache`` layers of these modules attend with our attention
-    path."""
+    path: their ``scaled_dot_product_attention`` name is rebound, or their attention class's
+    ``__call__`` replaced by its step forward pass (``STEP_CALLS``)."""
     from mlx_lm.models import base
 
     original = base.scaled_dot_product_attention
@@ -211,14 +267,38 @@ def route_attention(python_modules: list[Any]) -> Iterator[None]:
     def routed(queries, keys, values, cache, scale, mask, sinks=None):
         if not isinstance(cache, StepLayerCache):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        if cache.latent is not None and sinks is None:
+            return cache.attend_latent(queries, keys, mask, scale)
         if mask is not None:
             raise ValueError("[BatchedDecoder] explicit attention masks are not supported")
         return cache.attend(queries, keys, values, scale, sinks)
 
+    replaced = []
     for python_module in python_modules:
-        python_module.scaled_dot_product_attention = routed
+        if python_module.__name__ in STEP_CALLS:
+            class_name, step = STEP_CALLS[python_module.__name__]
+            cls = getattr(python_module, class_name)
+            replaced.append((cls, cls.__call__))
+            cls.__call__ = _step_call(cls.__call__, step)
+        else:
+            python_module.scaled_dot_product_attention = routed
     try:
         yield
     finally:
         for python_module in python_modules:
-            python_module.scaled_dot_product_attention = original
+            if python_module.__name__ not in STEP_CALLS:
+                python_module.scaled_dot_product_attention = original
+        for cls, call in replaced:
+            cls.__call__ = call
+
+
+def _step_call(original: Any, step: Any) -> Any:
+    """An attention class's ``__call__`` that runs ``step`` for a ``StepLayerCache`` and
+    ``original`` for every other cache."""
+
+    def call(self, x, mask=None, cache=None):
+        if isinstance(cache, StepLayerCache):
+            return step(self, x, mask, cache)
+        return original(self, x, mask=mask, cache=cache)
+
+    return call

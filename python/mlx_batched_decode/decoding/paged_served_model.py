@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from ..attention.paged import PagedAttention
 from ..caches.paged_kv_cache import PagedKVCache
+from .latent_attention import latent_specs
 from .model_adapter import mlx_lm_attention_modules, routed_forward
 from .mlx_lm_caches import layer_windows
 
@@ -49,6 +50,7 @@ class PagedServedModel:
         self.attention = PagedAttention()
         self.routed_modules = mlx_lm_attention_modules(model)
         self.windows = layer_windows(model)
+        self.latents = latent_specs(model)
         self.cache = PagedKVCache(
             len(self.windows),
             block_size=block_size,
@@ -99,7 +101,7 @@ class PagedServedModel:
         attentions = [self.attention] * len(self.windows)
         logits = routed_forward(
             self.model, tokens[:, None], context, attentions, self.windows, self.routed_modules,
-            logit_rows,
+            logit_rows, self.latents,
         )
         return logits[:, 0]
 

@@ -5,7 +5,8 @@ whose attention is routed, each layer's window (from mlx-lm's own caches), and t
 of every active request, one row per request in the scheduler's order: on the zero-copy path one
 ``SlotKVCache`` per full-attention layer and one ``RingSlotKVCache`` per sliding-window layer
 (a ``QuantizedSlotKVCache`` per layer with ``kv_bits``), or one ``ContiguousKVCache`` per request
-and layer on the seed path.
+and layer on the seed path. A multi-head latent attention layer's ``SlotKVCache`` keeps one
+``[S, 1, capacity, r + R]`` buffer of latent and rope keys and no values (``latent_attention``).
 
 ``BatchedDecoder`` serves its target model, and its draft model when it decodes speculatively,
 each through one of these.
@@ -36,6 +37,7 @@ from ..caches.kv_cache import ContiguousKVCache, SlotKVCache
 from ..caches.packed_context import PackedDecodeContext
 from ..caches.quantized_kv_cache import QuantizedSlotKVCache
 from ..caches.ring_kv_cache import RingSlotKVCache
+from .latent_attention import latent_specs
 from .model_adapter import mlx_lm_attention_modules, routed_forward
 from .mlx_lm_caches import layer_windows, prompt_caches
 
@@ -51,8 +53,10 @@ class ServedModel:
     tokens per speculative round (0 without a draft model), which the rings make room for.
 
     Raises ``ValueError`` for models it cannot serve: attention that does not go through
-    mlx-lm's ``scaled_dot_product_attention``, layers whose cache is neither ``KVCache`` nor
-    a plain ``RotatingKVCache``, or a head dim that ``kv_group_size`` does not divide.
+    mlx-lm's ``scaled_dot_product_attention`` (nor has a step forward pass of its own), layers
+    whose cache is neither ``KVCache`` nor a plain ``RotatingKVCache``, a head dim that
+    ``kv_group_size`` does not divide, or multi-head latent attention on the seed path or with
+    ``kv_bits`` (the quantized op reads keys of at most 512 columns and values as wide as them).
     """
 
     def __init__(
@@ -71,6 +75,13 @@ class ServedModel:
         self.routed_modules = mlx_lm_attention_modules(model)
         self.windows = layer_windows(model)
         self.num_layers = len(self.windows)
+        self.latents = latent_specs(model)
+        if any(self.latents) and (kv_bits is not None or attention != "slot"):
+            raise ValueError(
+                f"[BatchedDecoder] {type(model).__name__}'s multi-head latent attention decodes "
+                "on the slot path without kv_bits (or kv_layout='paged'), not "
+                + ("with kv_bits" if kv_bits is not None else f"attention={attention!r}")
+            )
         self.slot_caches: Optional[list[SlotCache]] = None
         # Distinct ring sizes, each derived once per step by the context.
         self.ring_sizes: list[int] = []
@@ -105,9 +116,15 @@ class ServedModel:
         return self._one_token()[0].shape[-1]
 
     def _check_group_size(self) -> None:
-        """ValueError unless ``kv_group_size`` divides every layer's key and value head dims,
-        measured with one token through mlx-lm's own caches."""
+        """ValueError unless every layer's keys and values have one head dim (the quantized
+        op's layout) that ``kv_group_size`` divides, measured with one token through mlx-lm's
+        own caches."""
         for layer, cache in enumerate(self._one_token()[1]):
+            if cache.keys.shape[-1] != cache.values.shape[-1]:
+                raise ValueError(
+                    f"[BatchedDecoder] kv_bits needs keys and values of one head dim; layer "
+                    f"{layer}'s are {cache.keys.shape[-1]} and {cache.values.shape[-1]}"
+                )
             for name, dim in (("key", cache.keys.shape[-1]), ("value", cache.values.shape[-1])):
                 if dim % self.kv_group_size:
                     raise ValueError(
@@ -118,7 +135,8 @@ class ServedModel:
     def load(self, row: int, layers_kv: Optional[Sequence[tuple[mx.array, mx.array]]]) -> None:
         """Give a new request row ``row``, the next free one, and store each layer's
         keys/values ``[1, H_kv, P, D]`` of its first P positions there (``None``: no position
-        yet); quantized first with ``kv_bits``."""
+        yet; an MLA layer's pair is mlx-lm's latent ``[1, 1, P, r]`` and rope keys
+        ``[1, 1, P, R]``); quantized first with ``kv_bits``."""
         if layers_kv is not None and len(layers_kv) != self.num_layers:
             raise ValueError(
                 f"[BatchedDecoder] need keys/values for {self.num_layers} layers, got "
@@ -130,15 +148,17 @@ class ServedModel:
         if layers_kv is None:
             return
         written = self.slot_caches if self.slot_caches is not None else self.seed_rows[row]
-        for cache, (keys, values) in zip(written, layers_kv):
-            if isinstance(cache, QuantizedSlotKVCache):
+        for cache, latent, (keys, values) in zip(written, self.latents, layers_kv):
+            if latent is not None:
+                cache.write_prompt(row, mx.concatenate([keys, values], axis=-1), None)
+            elif isinstance(cache, QuantizedSlotKVCache):
                 cache.write_prompt(row, cache.quantize(keys), cache.quantize(values))
             elif isinstance(cache, ContiguousKVCache):
                 cache.update_and_fetch(keys, values)
             else:
                 cache.write_prompt(row, keys, values)
         # Evaluate the copies now: their time stays out of the next step's.
-        mx.eval([(c.keys, c.values) for c in written if c.keys is not None])
+        mx.eval(self.cache_arrays())
 
     def release(self, row: int, last: int, length: int) -> None:
         """Free row ``row``: the request in row ``last`` (``length`` tokens cached) moves there,
@@ -174,7 +194,7 @@ class ServedModel:
         )
         logits = routed_forward(
             self.model, tokens[:, None], context, self.attentions, self.windows,
-            self.routed_modules, logit_rows,
+            self.routed_modules, logit_rows, self.latents,
         )
         return logits[:, 0]
 
@@ -182,13 +202,6 @@ class ServedModel:
         """Every K/V buffer of the active requests: evaluating them runs pending writes of a
         step whose output is never read."""
         if self.slot_caches is not None:
-            caches = self.slot_caches
-        else:
-            caches = [c for row in self.seed_rows for c in row]
-        arrays = []
-        for c in caches:
-            if isinstance(c, QuantizedSlotKVCache):
-                arrays += c.buffers()
-            elif c.keys is not None:
-                arrays += [c.keys, c.values]
-        return arrays
+            return [buffer for c in self.slot_caches for buffer in c.buffers()]
+        caches = [c for row in self.seed_rows for c in row if c.keys is not None]
+        return [x for c in caches for x in (c.keys, c.values)]
