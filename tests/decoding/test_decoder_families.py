@@ -68,9 +68,8 @@ def spy_ops(monkeypatch):
 
 
 def check_op_reads(family, calls, layout):
-    """Every call reads what the family keeps: one 576-like latent head whose first r columns
+    """Every call reads what the family keeps: one latent head of r + R whose first r columns
     are the values for MLA, narrower values for DeepSeek-V2 / MiniCPM3, the cap for Gemma 2."""
-    assert calls
     for queries, keys, values, kwargs in calls:
         # Paged pools are [NB, BS, H_kv, D], slot views [B, H_kv, T, D].
         kv_heads = keys[2] if layout == "paged" else keys[1]
@@ -98,6 +97,8 @@ def test_greedy_matches_mlx_lm(models, references, family, layout, monkeypatch):
     out = decoder.generate(random_prompts(PROMPT_LENS), MAX_TOKENS, max_batch_size=3)
     assert out == references[family]
     if layout != "seed":
+        # One op call per layer and step.
+        assert len(calls) == decoder.stats.steps * len(models[family].layers)
         check_op_reads(family, calls, layout)
 
 
@@ -176,3 +177,16 @@ def test_gemma2_quantized_cache_reads_the_cap(models, monkeypatch):
     out = decoder.generate(random_prompts(PROMPT_LENS[:3]), MAX_TOKENS[:3])
     assert [len(t) for t in out] == MAX_TOKENS[:3]
     assert calls and set(calls) == {GEMMA2["attn_logit_softcapping"]}
+
+
+def test_latent_space_at_deepseek_widths():
+    # DeepSeek-V3's latent 512 + rope 64 (576-wide keys) with 16 query heads.
+    config = dict(
+        DEEPSEEK_V3, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+        num_attention_heads=16, hidden_size=128, q_lora_rank=None, n_routed_experts=None,
+    )
+    model = random_model(config, seed=4)
+    prompts = random_prompts([3, 17, 40])
+    decoder = BatchedDecoder(model, max_step_tokens=16)
+    assert decoder.generate(prompts, 6) == [mlx_lm_greedy(model, p, 6) for p in prompts]
+    assert decoder.slot_caches[0].keys.shape[1:] == (1, 256, 576)

@@ -16,7 +16,7 @@ from mlx_batched_decode.server.metrics import ServerMetrics  # noqa: E402
 from mlx_batched_decode.server.protocol import APIError  # noqa: E402
 from mlx_batched_decode.server.text_stream import TextStream  # noqa: E402
 from mlx_batched_decode.tools.model_folder import save_model_folder  # noqa: E402
-from tests.support.mlx_lm_models import LLAMA  # noqa: E402
+from tests.support.mlx_lm_models import DEEPSEEK_V3, GEMMA2, LLAMA, mlx_lm_greedy  # noqa: E402
 
 TIMEOUT_S = 60.0
 
@@ -157,3 +157,27 @@ def test_stop_strings_end_a_request_and_are_not_shown(loaded):
     assert "".join(p.text for p in pieces).strip() == " ".join(words[:3])
     # The stop string's tokens count, as mlx_lm.server counts them.
     assert sub.completion_tokens == 5
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma2"])
+def test_latent_and_soft_capped_families_serve_the_decoders_texts(family, tmp_path):
+    from mlx_lm.utils import load
+
+    config = {**(DEEPSEEK_V3 if family == "deepseek_v3" else GEMMA2), "vocab_size": 64}
+    model, tokenizer = load(str(save_model_folder(config, tmp_path, seed=2)))
+    prompts = [[9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
+    expected = [mlx_lm_greedy(model, p, 5) for p in prompts]
+
+    async def main():
+        engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=2, max_queue=2)
+        engine.start()
+        subs = [submission(tokenizer, p, 5) for p in prompts]
+        for sub in subs:
+            engine.submit(sub)
+        results = [await drain(sub) for sub in subs]
+        engine.stop(TIMEOUT_S)
+        return results
+
+    for pieces, tokens in zip(asyncio.run(main()), expected):
+        eos = [i for i, t in enumerate(tokens) if t in tokenizer.eos_token_ids]
+        assert "".join(p.text for p in pieces) == tokenizer.decode(tokens[: (eos or [5])[0]])

@@ -143,7 +143,7 @@ GEMMA2 = dict(
     rms_norm_eps=1e-6,
     vocab_size=VOCAB,
     attn_logit_softcapping=5.0,
-    query_pre_attn_scalar=20.0,
+    query_pre_attn_scalar=20,
 )
 
 
