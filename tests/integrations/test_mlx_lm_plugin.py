@@ -272,12 +272,12 @@ def test_what_stays_on_mlx_lm_path(models):
         stats = plugin.stats()
         assert stats.other > 0 and stats.served == 0
 
-        # Keys and values of different head dims (as multi-head latent attention has).
+        # Keys wider than the op takes (576 at most, where values are narrower).
         cache = BatchKVCache([0, 2])
-        cache.update_and_fetch(mx.zeros((2, 2, 3, 16)), mx.zeros((2, 2, 3, 8)))
+        cache.update_and_fetch(mx.zeros((2, 2, 3, 640)), mx.zeros((2, 2, 3, 8)))
         mask = cache.make_mask(1)
-        keys, values = cache.update_and_fetch(mx.zeros((2, 2, 1, 16)), mx.zeros((2, 2, 1, 8)))
-        q = mx.random.normal((2, 4, 1, 16))
+        keys, values = cache.update_and_fetch(mx.zeros((2, 2, 1, 640)), mx.zeros((2, 2, 1, 8)))
+        q = mx.random.normal((2, 4, 1, 640))
         base.scaled_dot_product_attention(q, keys, values, cache=cache, scale=1.0, mask=mask)
         assert plugin.stats().unsupported_shape == 1
     assert _ext.cpu_kernel_calls() == kernel_calls

@@ -6,7 +6,9 @@
   that imported it (mlx-lm's model files do ``from .base import scaled_dot_product_attention``)
   with a ``DecodeRouter``; model modules imported while enabled pick the router up from ``base``;
 - ``BatchKVCache.make_mask`` and ``BatchRotatingKVCache.make_mask`` with versions that call the
-  originals and tag the decode masks they return (``mask_tags``).
+  originals and tag the decode masks they return (``mask_tags``);
+- ``gemma2.Attention.__call__``, whose attention soft-caps its scores without calling that
+  function, with one that asks the router too (``gemma2``).
 
 ``disable()`` puts every original back, in the modules patched by ``enable()`` and in those
 imported since. The plug-in reads private fields of mlx-lm's batch caches (``_idx``, ``_offset``,
@@ -20,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ContextManager
 
 from ..switch import PluginSwitch
+from .gemma2 import gemma2_attention
 from .mask_tags import MaskTags, tagging_batch_kv_make_mask, tagging_batch_rotating_make_mask
 from .routing import PREFIX, DecodeRouter, PluginStats
 
@@ -39,7 +42,7 @@ class _Plugin:
 
     def __init__(self, wrapped_rings: bool) -> None:
         import mlx_lm
-        from mlx_lm.models import base
+        from mlx_lm.models import base, gemma2
         from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
 
         if mlx_lm.__version__ != MLX_LM_VERSION:
@@ -62,6 +65,10 @@ class _Plugin:
             self._set(cls, "make_mask", original, tagging(original, self.tags))
         for module in _modules_binding(self.original):
             self._set(module, _NAME, self.original, self.router)
+        attention = gemma2.Attention
+        self._set(
+            attention, "__call__", attention.__dict__["__call__"], gemma2_attention(self.router)
+        )
 
     def _set(self, owner: Any, name: str, original: Any, replacement: Any) -> None:
         self.patches.append(_Patch(owner, name, original))

@@ -6,8 +6,10 @@ keys/values. ``DecodeRouter`` takes that call's place. A decode step of mlx-lm's
 (one new token per request, ``L = 1``) on a left-padded ``BatchKVCache`` goes to
 ``batched_decode_attention`` with:
 
-- ``keys``/``values``: the ``[B, H_kv, T, D]`` views ``update_and_fetch`` returned, read in place;
-  ``T`` is the cache's ``_idx`` after the write, the same for every request;
+- ``keys``/``values``: the ``[B, H_kv, T, D]`` / ``[B, H_kv, T, Dv]`` views ``update_and_fetch``
+  returned, read in place; ``T`` is the cache's ``_idx`` after the write, the same for every
+  request. Values may have a head dim of their own (DeepSeek-V2 and MiniCPM3 keep keys of
+  ``qk_nope + qk_rope`` and values of ``v_head_dim`` per head); the output is ``[..., Dv]``;
 - ``valid_lens = T`` for every request (left padding: every request ends at ``T``);
 - ``kv_starts = cache.left_padding``: request ``b``'s first valid key;
 - ``window``: the ``window_size`` the model built the mask with (``MaskTag``), if any.
@@ -30,15 +32,24 @@ mod W``, ``valid_lens = W``, ``kv_starts = left_padding`` (the op clamps it at 0
 window. Several tokens per request (prefill, ``_update_concat``) first put the ring back in
 temporal order and keep ``max_size + L - 1`` positions: those calls, every other cache
 (``KVCache`` of single-request generation, quantized caches, ...) and head dims the op does not
-take (keys and values of different head dims, D > 512) stay on mlx-lm's path. ``PluginStats``
-counts every call by where it ran.
+take (``Dv > 512`` or ``D > 576``; the op takes keys of 513 to 576 dims, as MLA's latent and
+rope keys, since their values are then narrower) stay on mlx-lm's path. ``PluginStats`` counts
+every call by where it ran.
 
-A decode mask on a batch cache that its ``make_mask`` did not build, built for another length,
-or for a ring in another state (wrapped or not) than the cache's, is an error: the plug-in would
-not know which keys it allows.
+A floating-point mask no ``make_mask`` built is a score term the model adds: DeepSeek-V3, Kimi
+K2/K2.5 and GLM-4.7-Flash attend in latent space and pass their rope scores (``pe_scores``, -inf
+outside the batch cache's decode mask) that way, their cache holding latent and rope keys in two
+arrays. The op takes no additive scores, so those calls stay on mlx-lm's path (``additive_mask``).
+Any other decode mask on a batch cache that its ``make_mask`` did not build (``None``, a bool
+array), built for another length, or for a ring in another state (wrapped or not) than the
+cache's, is an error: the plug-in would not know which keys it allows.
+
+Gemma 2's attention soft-caps its scores by hand instead of calling this function; ``gemma2``
+replaces it and asks ``DecodeRouter.plan`` the same question for each of its calls.
 
 Dimension legend: B = requests in the step, H_q = query heads, H_kv = key/value heads,
-L = new tokens per request, T = key/value positions, D = head dimension, W = ring slots.
+L = new tokens per request, T = key/value positions, D = head dimension of queries and keys,
+Dv = head dimension of values, W = ring slots.
 """
 
 from __future__ import annotations
@@ -56,12 +67,14 @@ from .mask_tags import MaskTags
 PREFIX = "[mlx_batched_decode.mlx_lm]"
 _OP_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 _MAX_HEAD_DIM = 512
+# Keys may be this wide where values are narrower (MLA's 512-wide latent and 64 rope dims).
+_MAX_KEY_HEAD_DIM = 576
 
 
 @dataclass
 class PluginStats:
-    """Calls of mlx-lm's ``scaled_dot_product_attention`` (one per layer and forward pass) since
-    ``enable()``, by where they ran.
+    """Calls of mlx-lm's ``scaled_dot_product_attention`` and of Gemma 2's attention (one per
+    layer and forward pass) since ``enable()``, by where they ran.
 
     Through ``batched_decode_attention``:
         batch_kv: decode steps on a ``BatchKVCache``.
@@ -73,7 +86,10 @@ class PluginStats:
         rotating_wrapped: decode steps on a wrapped ring while enabled with
             ``wrapped_rings=False`` (0 otherwise).
         prefill: several tokens per request on a batch cache (prompt processing).
-        unsupported_shape: head dims the op does not take (keys and values differ, D > 512).
+        unsupported_shape: head dims the op does not take (``Dv > 512`` or ``D > 576``).
+        additive_mask: decode steps on a batch cache whose mask is a floating-point score term
+            no ``make_mask`` built (the rope scores DeepSeek-V3, Kimi and GLM-4.7-Flash add to
+            their latent attention).
         other: every other cache (single-request ``KVCache``, quantized, none, ...).
     """
 
@@ -83,6 +99,7 @@ class PluginStats:
     rotating_wrapped: int = 0
     prefill: int = 0
     unsupported_shape: int = 0
+    additive_mask: int = 0
     other: int = 0
 
     @property
@@ -91,7 +108,7 @@ class PluginStats:
         return self.batch_kv + self.batch_rotating
 
 
-class _OpCall(NamedTuple):
+class OpCall(NamedTuple):
     """What one served call passes to ``batched_decode_attention`` besides the arrays."""
 
     valid_lens: mx.array
@@ -101,12 +118,15 @@ class _OpCall(NamedTuple):
 
 
 def _op_takes(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
-    """Whether ``batched_decode_attention`` takes these ``[B, H, T, D]`` shapes and dtypes."""
-    head_dim = queries.shape[-1]
+    """Whether ``batched_decode_attention`` takes queries ``[B, H_q, L, D]``, keys
+    ``[B, H_kv, T, D]`` and values ``[B, H_kv, T, Dv]`` of these shapes and dtypes."""
+    head_dim, value_dim = keys.shape[-1], values.shape[-1]
     return (
-        keys.shape == values.shape
-        and keys.shape[-1] == head_dim
-        and 1 <= head_dim <= _MAX_HEAD_DIM
+        keys.shape[:3] == values.shape[:3]
+        and head_dim == queries.shape[-1]
+        and 1 <= value_dim <= _MAX_HEAD_DIM
+        # Values being at most 512 wide, keys past 512 come with narrower ones, as the op needs.
+        and head_dim <= _MAX_KEY_HEAD_DIM
         and queries.dtype in _OP_DTYPES
         and keys.dtype == queries.dtype
         and values.dtype == queries.dtype
@@ -151,9 +171,10 @@ class DecodeRouter:
         mask: Any,
         sinks: Optional[mx.array] = None,
     ) -> mx.array:
-        """``queries [B, H_q, L, D]`` over ``keys``/``values [B, H_kv, T, D]`` ->
-        ``[B, H_q, L, D]``; ``sinks`` ``[H_q]`` or ``None``."""
-        call = self._plan(queries, keys, values, cache, mask)
+        """``queries [B, H_q, L, D]`` over ``keys [B, H_kv, T, D]`` and ``values
+        [B, H_kv, T, Dv]`` -> ``[B, H_q, L, Dv]``; ``sinks`` ``[H_q]`` or ``None``; ``mask`` as
+        mlx-lm passes it (an array, ``"causal"`` or ``None``)."""
+        call = self.plan(queries, keys, values, cache, mask)
         if call is None:
             return self.original(
                 queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
@@ -170,10 +191,11 @@ class DecodeRouter:
             ring_offset=call.ring_offset,
         )
 
-    def _plan(
+    def plan(
         self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any
-    ) -> Optional[_OpCall]:
-        """The op's arguments for this call, or ``None`` for mlx-lm's path (counted)."""
+    ) -> Optional[OpCall]:
+        """The op's arguments for this call, or ``None`` for mlx-lm's path (counted in
+        ``stats`` either way); arguments as ``__call__``'s."""
         stats = self.stats
         rotating = isinstance(cache, self.batch_rotating)
         if not (rotating or isinstance(cache, self.batch_kv)):
@@ -187,6 +209,9 @@ class DecodeRouter:
             return None
         tag = self.tags.get(mask)
         name = type(cache).__name__
+        if tag is None and isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating):
+            stats.additive_mask += 1
+            return None
         if tag is None:
             got = "None" if mask is None else f"a {type(mask).__name__} it did not build"
             raise ValueError(
@@ -237,7 +262,7 @@ class DecodeRouter:
         else:
             stats.batch_kv += 1
         lens = self._filled(queries.shape[0], slots)
-        return _OpCall(lens, cache.left_padding, window, ring_offset)
+        return OpCall(lens, cache.left_padding, window, ring_offset)
 
     def _filled(self, batch: int, value: int) -> mx.array:
         """int32 ``[B]`` filled with ``value``: made once per (B, value) and thread, shared by

@@ -23,7 +23,8 @@ def report(stats: PluginStats) -> str:
         f"mlx_batched_decode: batched_decode_attention served {stats.served} attention calls "
         f"(BatchKVCache {stats.batch_kv}, BatchRotatingKVCache {stats.batch_rotating}); on "
         f"mlx-lm's path: prefill {stats.prefill}, wrapped rings {stats.rotating_wrapped}, "
-        f"other caches {stats.other}, head dims the op does not take {stats.unsupported_shape}"
+        f"other caches {stats.other}, head dims the op does not take {stats.unsupported_shape}, "
+        f"additive masks {stats.additive_mask}"
     )
 
 
