@@ -3,7 +3,7 @@
 With the plug-in, greedy ``batch_generate`` of prompts of different lengths gives every request
 its single-request tokens (mlx-lm's own ``generate_step``): DeepSeek-V2 and MiniCPM3 (values of
 a head dim of their own) decode on the op; DeepSeek-V3, Kimi K2.5 and GLM-4.7-Flash (rope scores
-passed as an additive mask) stay on mlx-lm's path, counted; Gemma 2 (soft-capped attention mlx-lm
+passed as an additive mask) decode on the op in latent space; Gemma 2 (soft-capped attention mlx-lm
 writes by hand, whose batched GQA masks mlx-lm puts on the wrong axis) decodes on the op and
 prefills on a corrected copy of mlx-lm's code. Head dims the op refuses stay on mlx-lm's path.
 """
@@ -21,6 +21,7 @@ from mlx_lm.models.base import create_causal_mask  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: E402
 
 import mlx_batched_decode.mlx_lm as plugin  # noqa: E402
+import mlx_batched_decode  # noqa: E402
 from mlx_batched_decode import _ext  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from tests.support.mlx_lm_models import (  # noqa: E402
@@ -41,7 +42,7 @@ LAYERS = 2  # num_hidden_layers of every config here
 # prompts but their last tokens, then a decode step per new token and one step ahead; the
 # 1-token prompt needs no prefill and takes its first two steps alone, before the others join.
 DECODE_STEPS = {(5, 1, 9): MAX_TOKENS + 3, (9, 2): MAX_TOKENS + 1}
-# Decode in latent space with the rope scores as an additive mask.
+# Multi-head latent attention: latent 32 + rope 8, 4 query heads.
 LATENT_FAMILIES = {"deepseek_v3": DEEPSEEK_V3, "glm4_moe_lite": GLM4_MOE_LITE, "kimi_k25": KIMI_K25}
 # Keys of qk_nope + qk_rope per head, values of a head dim of their own.
 OWN_VALUE_DIM_FAMILIES = {"deepseek_v2": DEEPSEEK_V2, "minicpm3": MINICPM3}
@@ -82,19 +83,40 @@ def plugin_off():
 
 
 @pytest.mark.parametrize("family", list(LATENT_FAMILIES))
-def test_latent_attention_with_additive_rope_scores_stays_on_mlx_lm(family):
+def test_latent_attention_decodes_on_the_op(family, monkeypatch):
     model = random_model(LATENT_FAMILIES[family], seed=1)
     prompts = random_prompts(PROMPT_LENS, seed=3)
     expected = _single_request_tokens(model, prompts)
-    kernel_calls = _ext.cpu_kernel_calls()
+    calls = []
+    real = mlx_batched_decode.batched_decode_attention
+
+    def spy(queries, keys, values, *args, **kwargs):
+        calls.append((queries.shape, keys.shape, values.shape))
+        return real(queries, keys, values, *args, **kwargs)
+
+    monkeypatch.setattr(mlx_batched_decode, "batched_decode_attention", spy)
     with plugin.enabled():
         assert _batch_generate(model, prompts) == expected
+        # Single-request decoding keeps the plug-in's rows in mlx-lm's KVCache: same tokens.
+        assert [mlx_lm_greedy(model, p, MAX_TOKENS) for p in prompts] == expected
         stats = plugin.stats()
-    assert _ext.cpu_kernel_calls() == kernel_calls
-    # Every decode step's attention, each layer: the prefill passes a bool mask, counted apart.
-    assert stats.additive_mask == DECODE_STEPS[tuple(PROMPT_LENS)] * LAYERS
-    assert stats.prefill == LAYERS
-    assert stats.served == stats.unsupported_shape == stats.other == 0
+    # Every batch decode step, each layer, reads one latent head of r + R, values its first r.
+    assert stats.batch_kv == len(calls) == DECODE_STEPS[tuple(PROMPT_LENS)] * LAYERS
+    for queries, keys, values in calls:
+        assert queries[1:] == (4, 1, 40) and keys[1] == 1 and keys[-1] == 40
+        assert values == (*keys[:3], 32)
+    assert stats.prefill == LAYERS and stats.other > 0
+    assert stats.additive_mask == stats.unsupported_shape == 0
+
+
+def test_latent_cache_filled_with_the_plug_in_off_is_refused():
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = random_model(DEEPSEEK_V3, seed=1)
+    caches = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3]]), cache=caches)
+    with plugin.enabled(), pytest.raises(ValueError, match="filled while the plug-in was off"):
+        model(mx.array([[4]]), cache=caches)
 
 
 @pytest.mark.parametrize("family", list(OWN_VALUE_DIM_FAMILIES))
@@ -243,3 +265,21 @@ def test_head_dims_the_op_refuses_stay_on_mlx_lm(head_dim, value_dim, served):
     assert mx.allclose(out, expected, atol=1e-5).item()
     assert _ext.cpu_kernel_calls() - kernel_calls == int(served)
     assert (stats.batch_kv, stats.unsupported_shape) == ((1, 0) if served else (0, 1))
+
+
+def test_additive_masks_of_other_layers_stay_on_mlx_lm():
+    """An untagged float mask (a score term an MLA layer not replaced adds, as DeepSeek-V3.2's)
+    runs mlx-lm's attention with it, counted, instead of raising."""
+    with plugin.enabled():
+        q, keys, values, cache, mask = _decode_call(32, 32)
+        scores = mx.where(mask, mx.random.normal((2, 4, 1, keys.shape[2])), -1e9)
+        expected = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.1, mask=scores)
+        kernel_calls = _ext.cpu_kernel_calls()
+        out = base.scaled_dot_product_attention(
+            q, keys, values, cache=cache, scale=0.1, mask=scores
+        )
+        mx.eval(out)
+        stats = plugin.stats()
+    assert mx.allclose(out, expected, atol=1e-5).item()
+    assert _ext.cpu_kernel_calls() == kernel_calls
+    assert (stats.additive_mask, stats.batch_kv) == (1, 0)

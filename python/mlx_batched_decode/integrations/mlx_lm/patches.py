@@ -8,7 +8,10 @@
 - ``BatchKVCache.make_mask`` and ``BatchRotatingKVCache.make_mask`` with versions that call the
   originals and tag the decode masks they return (``mask_tags``);
 - ``gemma2.Attention.__call__``, whose attention soft-caps its scores without calling that
-  function, with one that asks the router too (``gemma2``).
+  function, with one that asks the router too (``gemma2``);
+- the ``__call__`` of DeepSeek-V3's and GLM-4.7-Flash's MLA layers, whose rope scores arrive as
+  an additive mask, with one that keeps latent and rope keys in one row and decodes in latent
+  space on the op (``latent_attention``).
 
 ``disable()`` puts every original back, in the modules patched by ``enable()`` and in those
 imported since. The plug-in reads private fields of mlx-lm's batch caches (``_idx``, ``_offset``,
@@ -23,6 +26,7 @@ from typing import Any, ContextManager
 
 from ..switch import PluginSwitch
 from .gemma2 import gemma2_attention
+from .latent_attention import latent_attention
 from .mask_tags import MaskTags, tagging_batch_kv_make_mask, tagging_batch_rotating_make_mask
 from .routing import PREFIX, DecodeRouter, PluginStats
 
@@ -42,8 +46,13 @@ class _Plugin:
 
     def __init__(self, wrapped_rings: bool) -> None:
         import mlx_lm
-        from mlx_lm.models import base, gemma2
-        from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+        from mlx_lm.models import base, deepseek_v3, gemma2, glm4_moe_lite
+        from mlx_lm.models.cache import (
+            BatchKVCache,
+            BatchRotatingKVCache,
+            KVCache,
+            RotatingKVCache,
+        )
 
         if mlx_lm.__version__ != MLX_LM_VERSION:
             raise ValueError(
@@ -69,6 +78,12 @@ class _Plugin:
         self._set(
             attention, "__call__", attention.__dict__["__call__"], gemma2_attention(self.router)
         )
+        caches = (KVCache, RotatingKVCache, BatchKVCache, BatchRotatingKVCache)
+        for attention in (deepseek_v3.DeepseekV3Attention, glm4_moe_lite.Glm4MoeLiteAttention):
+            original = attention.__dict__["__call__"]
+            self._set(
+                attention, "__call__", original, latent_attention(self.router, original, caches)
+            )
 
     def _set(self, owner: Any, name: str, original: Any, replacement: Any) -> None:
         self.patches.append(_Patch(owner, name, original))

@@ -36,16 +36,18 @@ take (``Dv > 512`` or ``D > 576``; the op takes keys of 513 to 576 dims, as MLA'
 rope keys, since their values are then narrower) stay on mlx-lm's path. ``PluginStats`` counts
 every call by where it ran.
 
-A floating-point mask no ``make_mask`` built is a score term the model adds: DeepSeek-V3, Kimi
-K2/K2.5 and GLM-4.7-Flash attend in latent space and pass their rope scores (``pe_scores``, -inf
-outside the batch cache's decode mask) that way, their cache holding latent and rope keys in two
-arrays. The op takes no additive scores, so those calls stay on mlx-lm's path (``additive_mask``).
+A floating-point mask no ``make_mask`` built is a score term the model adds: MLA layers the
+plug-in does not replace (``latent_attention`` replaces DeepSeek-V3's and GLM-4.7-Flash's; e.g.
+DeepSeek-V3.2's, Bailing's) pass their rope scores (``pe_scores``) that way, their cache holding
+latent and rope keys in two arrays. The op takes no additive scores, so those calls stay on
+mlx-lm's path (``additive_mask``).
 Any other decode mask on a batch cache that its ``make_mask`` did not build (``None``, a bool
 array), built for another length, or for a ring in another state (wrapped or not) than the
 cache's, is an error: the plug-in would not know which keys it allows.
 
 Gemma 2's attention soft-caps its scores by hand instead of calling this function; ``gemma2``
-replaces it and asks ``DecodeRouter.plan`` the same question for each of its calls.
+replaces it and asks ``DecodeRouter.plan`` the same question for each of its calls, as the
+replaced MLA layers of ``latent_attention`` do for their decode steps.
 
 Dimension legend: B = requests in the step, H_q = query heads, H_kv = key/value heads,
 L = new tokens per request, T = key/value positions, D = head dimension of queries and keys,
@@ -88,8 +90,8 @@ class PluginStats:
         prefill: several tokens per request on a batch cache (prompt processing).
         unsupported_shape: head dims the op does not take (``Dv > 512`` or ``D > 576``).
         additive_mask: decode steps on a batch cache whose mask is a floating-point score term
-            no ``make_mask`` built (the rope scores DeepSeek-V3, Kimi and GLM-4.7-Flash add to
-            their latent attention).
+            no ``make_mask`` built (the rope scores of MLA layers other than DeepSeek-V3's and
+            GLM-4.7-Flash's, which ``latent_attention`` serves).
         other: every other cache (single-request ``KVCache``, quantized, none, ...).
     """
 
