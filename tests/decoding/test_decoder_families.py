@@ -190,3 +190,15 @@ def test_latent_space_at_deepseek_widths():
     decoder = BatchedDecoder(model, max_step_tokens=16)
     assert decoder.generate(prompts, 6) == [mlx_lm_greedy(model, p, 6) for p in prompts]
     assert decoder.slot_caches[0].keys.shape[1:] == (1, 256, 576)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma2"])
+def test_shared_prefix_blocks_serve_later_requests(models, family):
+    # A 13-token prefix in blocks of 4: requests after the first take its 3 full blocks.
+    model = models[family]
+    prefix, tails = random_prompts([13], seed=7)[0], random_prompts([2, 5, 1], seed=8)
+    prompts = [prefix + tail for tail in tails]
+    decoder = BatchedDecoder(model, kv_layout="paged", block_size=4, max_step_tokens=8)
+    out = decoder.generate(prompts, 4, max_batch_size=1)
+    assert out == [mlx_lm_greedy(model, p, 4) for p in prompts]
+    assert decoder.stats.prefix_hit_tokens == 2 * 12
