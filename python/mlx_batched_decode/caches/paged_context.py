@@ -28,28 +28,28 @@ def padded_tables(owner: str, tables: Sequence[Sequence[int]], batch_size: int) 
 
 
 @dataclass
-class PagedDecodeContext(BatchedDecodeContext):
-    """A ``BatchedDecodeContext`` whose requests keep their keys/values in the blocks of a
-    ``PagedKVCache``; every layer reads the same tables (block ids are the same in every layer).
-
-    Args (besides the base class's):
-        tables: B host lists of block ids; request ``b``'s logical position ``j`` lives in row
-            ``j % block_size`` of block ``tables[b][j // block_size]``. They cover every
-            position up to ``seq_lens[b] + L - 1`` (the cache allocated this step's blocks).
-        block_size: positions per block.
-
-    Derived fields:
-        block_tables: int32 ``[B, M]``, ``tables`` padded with ``-1`` (never read: past the
-            request's length).
-        write_blocks, write_rows: int32 ``[B, L]``, the block and the row in it where each new
-            token is written: the slot mapping of the one scatter per layer and pool.
-    """
+class BlockTableFields:
+    """The fields a paged context adds to its base: ``tables`` (B host lists of block ids;
+    request ``b``'s logical position ``j`` lives in row ``j % block_size`` of block
+    ``tables[b][j // block_size]``, up to the step's last new token), ``block_size``, and the
+    derived ``block_tables`` int32 ``[B, M]`` (``padded_tables``) and ``write_blocks``,
+    ``write_rows``: the block and the row in it where each new token is written, the slot
+    mapping of the one scatter per layer and pool."""
 
     tables: Sequence[Sequence[int]] = ()
     block_size: int = 16
     block_tables: mx.array = field(init=False)
     write_blocks: mx.array = field(init=False)
     write_rows: mx.array = field(init=False)
+
+
+@dataclass
+class PagedDecodeContext(BlockTableFields, BatchedDecodeContext):
+    """A ``BatchedDecodeContext`` whose requests keep their keys/values in the blocks of a
+    ``PagedKVCache``; every layer reads the same tables (block ids are the same in every layer).
+    ``BlockTableFields`` as its fields say, ``write_blocks`` and ``write_rows`` ``[B, L]``; the
+    tables cover every position up to ``seq_lens[b] + L - 1``.
+    """
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,21 +65,12 @@ class PagedDecodeContext(BatchedDecodeContext):
 
 
 @dataclass
-class PagedPackedContext(PackedDecodeContext):
+class PagedPackedContext(BlockTableFields, PackedDecodeContext):
     """A ``PackedDecodeContext`` whose requests keep their keys/values in the blocks of a
-    ``PagedKVCache``: ``tables`` and ``block_size`` as ``PagedDecodeContext``'s, covering every
-    position up to ``seq_lens[b] + query_lens[b] - 1``.
-
-    Derived fields (besides the base class's): ``block_tables`` int32 ``[B, M]`` as
-    ``PagedDecodeContext``'s; ``write_blocks``, ``write_rows`` int32 ``[N, 1]``, the block and
-    the row in it where each packed token is written.
+    ``PagedKVCache``: ``BlockTableFields``, the tables covering every position up to
+    ``seq_lens[b] + query_lens[b] - 1``, ``write_blocks`` and ``write_rows`` ``[N, 1]`` (one
+    per packed token).
     """
-
-    tables: Sequence[Sequence[int]] = ()
-    block_size: int = 16
-    block_tables: mx.array = field(init=False)
-    write_blocks: mx.array = field(init=False)
-    write_rows: mx.array = field(init=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()

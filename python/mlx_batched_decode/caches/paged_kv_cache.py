@@ -242,12 +242,13 @@ class PagedKVCache:
     # -- decode steps -------------------------------------------------------------------------
 
     def prepare_step(
-        self, rids: Sequence[Hashable], seq_lens: Sequence[int], query_len: int = 1
+        self, rids: Sequence[Hashable], seq_lens: Sequence[int], query_lens: Sequence[int]
     ) -> list[list[int]]:
-        """Make positions ``seq_lens[b] .. seq_lens[b] + L - 1`` of every request writable (new
-        blocks from its reservation, copies of shared blocks) and return the B block tables."""
-        for rid, start in zip(rids, seq_lens):
-            self._take_blocks(rid, start, start + query_len)
+        """Make positions ``seq_lens[b] .. seq_lens[b] + query_lens[b] - 1`` of every request
+        writable (new blocks from its reservation, copies of shared blocks) and return the B
+        block tables."""
+        for rid, start, count in zip(rids, seq_lens, query_lens):
+            self._take_blocks(rid, start, start + count)
         return [self.tables[rid] for rid in rids]
 
     def context(
@@ -255,7 +256,7 @@ class PagedKVCache:
     ) -> PagedDecodeContext:
         """The step's ``PagedDecodeContext`` (``prepare_step`` done), every layer reading this
         cache."""
-        tables = self.prepare_step(rids, seq_lens, query_len)
+        tables = self.prepare_step(rids, seq_lens, [query_len] * len(rids))
         return PagedDecodeContext(
             len(rids),
             seq_lens,
@@ -274,14 +275,13 @@ class PagedKVCache:
     ) -> PagedPackedContext:
         """The packed step's ``PagedPackedContext``: positions ``seq_lens[b] .. seq_lens[b] +
         query_lens[b] - 1`` made writable (``prepare_step``), every layer reading this cache."""
-        for rid, start, count in zip(rids, seq_lens, query_lens):
-            self._take_blocks(rid, start, start + count)
+        tables = self.prepare_step(rids, seq_lens, query_lens)
         return PagedPackedContext(
             seq_lens,
             query_lens,
             [self] * self.num_layers,
             first_chunks=first_chunks,
-            tables=[self.tables[rid] for rid in rids],
+            tables=tables,
             block_size=self.block_size,
         )
 

@@ -172,25 +172,21 @@ def routed_forward(
     attentions: Sequence[DecodeAttention],
     windows: list[Optional[int]],
     routed_modules: list[Any],
-    logit_rows: Optional[Sequence[int]] = None,
-    latents: Optional[Sequence[Optional[LatentSpec]]] = None,
+    logit_rows: Sequence[int],
+    latents: Sequence[Optional[LatentSpec]],
 ) -> mx.array:
-    """One step's forward pass of ``model``: int32 ``tokens [B, L]`` -> logits ``[B, L, V]``
-    (lazy), layer ``i`` attending through ``attentions[i]`` within ``windows[i]`` (in latent
-    space with ``latents[i]``), every layer reading the one ``context``. With ``logit_rows``
-    only those rows' logits, ``[R, L, V]``: the model's head runs on their hidden states alone
-    (``head_on_rows``)."""
-    latents = latents or [None] * len(attentions)
+    """One packed step's forward pass of ``model``: int32 ``tokens [N]`` (one per row, as the
+    packed ``context`` places them) -> the logits ``[R, V]`` (lazy) of rows ``logit_rows``,
+    layer ``i`` attending through ``attentions[i]`` within ``windows[i]`` (in latent space with
+    ``latents[i]``), every layer reading the one ``context``. The model's head runs on those
+    rows' hidden states alone (``head_on_rows``)."""
     step_caches = [
         StepLayerCache(attention, context, layer, window, latent)
         for layer, (attention, window, latent) in enumerate(zip(attentions, windows, latents))
     ]
-    if logit_rows is None:
-        with route_attention(routed_modules):
-            return model(tokens, cache=step_caches)
     rows = mx.array(list(logit_rows), dtype=mx.int32)
     with route_attention(routed_modules), head_on_rows(model, rows) as selected:
-        logits = model(tokens, cache=step_caches)
+        logits = model(tokens[:, None], cache=step_caches)[:, 0]
     return logits if selected else logits[rows]
 
 

@@ -99,11 +99,10 @@ class PagedServedModel:
         blocks (``reserve_len`` is not needed: blocks come as positions fill)."""
         context = self.cache.packed_context(self.rows, seq_lens, query_lens, first_chunks)
         attentions = [self.attention] * len(self.windows)
-        logits = routed_forward(
-            self.model, tokens[:, None], context, attentions, self.windows, self.routed_modules,
+        return routed_forward(
+            self.model, tokens, context, attentions, self.windows, self.routed_modules,
             logit_rows, self.latents,
         )
-        return logits[:, 0]
 
     def cache_arrays(self) -> list[mx.array]:
         """Every pool: evaluating them runs pending writes."""

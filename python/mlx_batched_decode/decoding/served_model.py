@@ -192,11 +192,10 @@ class ServedModel:
         context = PackedDecodeContext(
             seq_lens, query_lens, layer_caches, self.ring_sizes, first_chunks, reserve_len
         )
-        logits = routed_forward(
-            self.model, tokens[:, None], context, self.attentions, self.windows,
-            self.routed_modules, logit_rows, self.latents,
+        return routed_forward(
+            self.model, tokens, context, self.attentions, self.windows, self.routed_modules,
+            logit_rows, self.latents,
         )
-        return logits[:, 0]
 
     def cache_arrays(self) -> list[mx.array]:
         """Every K/V buffer of the active requests: evaluating them runs pending writes of a
