@@ -50,6 +50,12 @@ def first_capacity(length: int, step: int, limit: Optional[int] = None) -> int:
     return capacity if limit is None else min(capacity, limit)
 
 
+def reserve_length(context) -> int:
+    """Positions a slot cache makes room for in a step: the step's ``max_len``, or a packed
+    context's ``reserve_len`` (the end of the longest prompt being fed) when larger."""
+    return max(context.max_len, getattr(context, "reserve_len", 0))
+
+
 def place_on_huge_pages(buffers: Iterable[mx.array]) -> None:
     """Put new cache buffers on transparent huge pages, where the kernel streams them faster.
 

@@ -10,7 +10,14 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .buffers import SlotBuffers, check_step, place_on_huge_pages, round_up, slot_growth
+from .buffers import (
+    SlotBuffers,
+    check_step,
+    place_on_huge_pages,
+    reserve_length,
+    round_up,
+    slot_growth,
+)
 from .context import BatchedDecodeContext
 
 
@@ -118,8 +125,7 @@ class SlotKVCache(SlotBuffers):
         Returns the strided views ``[B, H_kv, max_len, D]`` of the buffers that attention reads
         in place; positions at or past a request's ``valid_lens`` hold stale data, never read.
         """
-        length = max(context.max_len, getattr(context, "reserve_len", 0))
-        self.reserve(context.batch_size, length, keys, values)
+        self.reserve(context.batch_size, reserve_length(context), keys, values)
         return self.scatter(
             context.rows, context.new_positions, context.batch_size, context.max_len, keys, values
         )

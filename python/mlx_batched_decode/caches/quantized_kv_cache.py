@@ -22,7 +22,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .buffers import check_step, place_on_huge_pages, round_up, slot_growth
+from .buffers import check_step, place_on_huge_pages, reserve_length, round_up, slot_growth
 from .context import BatchedDecodeContext
 
 QUANTIZED_BITS = (4, 8)
@@ -122,8 +122,7 @@ class QuantizedSlotKVCache:
         place; positions at or past a request's ``valid_lens`` hold stale data, never read.
         """
         new_keys, new_values = self.quantize(keys), self.quantize(values)
-        length = max(context.max_len, getattr(context, "reserve_len", 0))
-        self.reserve(context.batch_size, length, new_keys, new_values)
+        self.reserve(context.batch_size, reserve_length(context), new_keys, new_values)
         # One scatter per buffer for the whole batch, in place, as SlotKVCache.update.
         for buffer, x in zip(self.buffers(), (*new_keys, *new_values)):
             buffer[context.rows, :, context.new_positions] = x.swapaxes(1, 2)
