@@ -20,15 +20,23 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
+def project(layer: nn.Module, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """``layer``'s (a ``gemma2.Attention``) projections of ``x [B, L, hidden]``: queries
+    ``[B, H_q, L, D]``, keys and values ``[B, H_kv, L, D]``, before rope."""
+    batch, rows, _ = x.shape
+    queries = layer.q_proj(x).reshape(batch, rows, layer.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = layer.k_proj(x).reshape(batch, rows, layer.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    values = layer.v_proj(x).reshape(batch, rows, layer.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    return queries, keys, values
+
+
 def gemma2_step(layer: nn.Module, x: mx.array, mask: Optional[mx.array], cache: Any) -> mx.array:
     """``layer`` (a ``gemma2.Attention``) on hidden states ``x [N, L, hidden]`` with the step's
     ``cache`` -> ``[N, L, hidden]``. ``mask`` is the step cache's ``make_mask``'s ``None``."""
     if mask is not None:
         raise ValueError("[BatchedDecoder] explicit attention masks are not supported")
     batch, rows, _ = x.shape
-    queries = layer.q_proj(x).reshape(batch, rows, layer.n_heads, -1).transpose(0, 2, 1, 3)
-    keys = layer.k_proj(x).reshape(batch, rows, layer.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    values = layer.v_proj(x).reshape(batch, rows, layer.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    queries, keys, values = project(layer, x)
     queries = layer.rope(queries, offset=cache.offset)
     keys = layer.rope(keys, offset=cache.offset)
     keys, values = cache.update_and_fetch(keys, values)

@@ -27,6 +27,7 @@ import mlx.core as mx
 
 import mlx_batched_decode
 
+from ...decoding.gemma2_attention import project
 from .routing import DecodeRouter
 
 
@@ -39,10 +40,7 @@ def gemma2_attention(router: DecodeRouter) -> Callable:
         """``x [B, L, E]`` -> ``[B, L, E]``; ``mask`` bool or additive, ``[L, T]`` or
         ``[B, 1, L, T]`` (a batch cache's), or ``None``; ``cache`` any mlx-lm cache or ``None``."""
         B, L, _ = x.shape
-        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys, values = project(self, x)
 
         if cache is not None:
             queries = self.rope(queries, offset=cache.offset)
