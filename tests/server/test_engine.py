@@ -44,6 +44,18 @@ async def drain(sub):
     return pieces
 
 
+async def serve_all(engine, tokenizer, prompts, max_tokens):
+    """Start ``engine``, submit one request per prompt, drain them all and stop it: the pieces
+    of each."""
+    engine.start()
+    subs = [submission(tokenizer, p, max_tokens) for p in prompts]
+    for sub in subs:
+        engine.submit(sub)
+    results = [await drain(sub) for sub in subs]
+    engine.stop(TIMEOUT_S)
+    return results
+
+
 def test_accepts_batch_plus_queue_then_503(loaded):
     model, tokenizer = loaded
 
@@ -66,12 +78,7 @@ def test_texts_equal_the_decoders_tokens_and_counts_come_back(loaded):
 
     async def main():
         engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=2, max_queue=4)
-        engine.start()
-        subs = [submission(tokenizer, p, 6) for p in prompts]
-        for sub in subs:
-            engine.submit(sub)
-        results = [await drain(sub) for sub in subs]
-        engine.stop(TIMEOUT_S)
+        results = await serve_all(engine, tokenizer, prompts, 6)
         assert not engine.alive and engine.decoder.num_active == 0
         assert engine._accepted == 0 and engine.decoder.stats.requests == {}
         return results
@@ -168,16 +175,8 @@ def test_latent_and_soft_capped_families_serve_the_decoders_texts(family, tmp_pa
     prompts = [[9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
     expected = [mlx_lm_greedy(model, p, 5) for p in prompts]
 
-    async def main():
-        engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=2, max_queue=2)
-        engine.start()
-        subs = [submission(tokenizer, p, 5) for p in prompts]
-        for sub in subs:
-            engine.submit(sub)
-        results = [await drain(sub) for sub in subs]
-        engine.stop(TIMEOUT_S)
-        return results
-
-    for pieces, tokens in zip(asyncio.run(main()), expected):
+    engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=2, max_queue=2)
+    results = asyncio.run(serve_all(engine, tokenizer, prompts, 5))
+    for pieces, tokens in zip(results, expected):
         eos = [i for i, t in enumerate(tokens) if t in tokenizer.eos_token_ids]
         assert "".join(p.text for p in pieces) == tokenizer.decode(tokens[: (eos or [5])[0]])

@@ -35,7 +35,6 @@ from .protocol import (
     parse_request,
     response_body,
     usage_body,
-    usage_counts,
 )
 from .text_stream import Piece, TextStream
 
@@ -192,10 +191,7 @@ async def _events(
             return
         yield _sse(response_body(header, chat, True, text, finish, reasoning))
         if request.include_usage:
-            usage = usage_counts(
-                len(submission.prompt), submission.completion_tokens, submission.cached_tokens
-            )
-            yield _sse(usage_body(header, usage))
+            yield _sse(usage_body(header, submission.usage()))
         yield b"data: [DONE]\n\n"
     finally:
         # A client that hung up (the stream is closed early) ends its request.
@@ -248,9 +244,6 @@ def _completion_route(kind: str):
         if submission.error is not None:
             return _json(APIError(500, submission.error, "server_error").body(), 500)
         finish = next((p.finish_reason for p in reversed(pieces) if p.finish_reason), None)
-        usage = usage_counts(
-            len(submission.prompt), submission.completion_tokens, submission.cached_tokens
-        )
         body = response_body(
             _header(request, state),
             kind == "chat",
@@ -258,7 +251,7 @@ def _completion_route(kind: str):
             "".join(p.text for p in pieces),
             finish,
             "".join(p.reasoning for p in pieces),
-            usage,
+            submission.usage(),
         )
         return _json(body)
 

@@ -27,7 +27,7 @@ from ..decoding.decoder import BatchedDecoder
 from ..decoding.sampling import Sampler
 from .lockstep import Admission, Lockstep, Plan
 from .metrics import ServerMetrics
-from .protocol import APIError
+from .protocol import APIError, usage_counts
 from .text_stream import Piece, TextStream
 
 log = logging.getLogger("mlx_batched_decode.server")
@@ -62,6 +62,10 @@ class Submission:
     @property
     def completion_tokens(self) -> int:
         return self.stream.tokens
+
+    def usage(self) -> dict:
+        """Its usage counts (``usage_counts``)."""
+        return usage_counts(len(self.prompt), self.completion_tokens, self.cached_tokens)
 
     def put(self, piece: Optional[Piece]) -> None:
         self.loop.call_soon_threadsafe(self.pieces.put_nowait, piece)
