@@ -55,7 +55,7 @@ import threading
 import time
 from pathlib import Path
 
-from mlx_batched_decode.tools.local_server import running_server
+from mlx_batched_decode.tools.local_server import running_server, sse_chunks
 from mlx_batched_decode.tools.model_folder import SPECIAL_TOKENS, save_model_folder, word
 
 from common import machine, print_table, save
@@ -122,13 +122,7 @@ def _stream_completion(port, prompt, max_tokens, start):
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
     times, text, tokens = [], "", None
-    for line in response:
-        if not line.startswith(b"data: "):
-            continue
-        payload = line[len(b"data: ") :].strip()
-        if payload == b"[DONE]":
-            break
-        chunk = json.loads(payload)
+    for chunk in sse_chunks(response):
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
         if chunk["choices"] and chunk["choices"][0]["text"]:

@@ -28,6 +28,7 @@ from typing import Optional
 import numpy as np
 
 import arrivals
+from mlx_batched_decode.tools.local_server import sse_chunks
 from mlx_batched_decode.tools.model_folder import SPECIAL_TOKENS, word
 
 REQUEST_TIMEOUT_S = 1800
@@ -67,13 +68,7 @@ def stream(port: int, prompt: str, max_tokens: int, timed: Timed) -> None:
         if response.status != 200:
             timed.error = f"HTTP {response.status}: {response.read()[:200]!r}"
             return
-        for line in response:
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[len(b"data: "):].strip()
-            if payload == b"[DONE]":
-                break
-            chunk = json.loads(payload)
+        for chunk in sse_chunks(response):
             if chunk["choices"] and chunk["choices"][0]["text"]:
                 timed.chunks.append(time.perf_counter())
                 timed.text += chunk["choices"][0]["text"]

@@ -1,9 +1,11 @@
 """An HTTP server process on 127.0.0.1, for the end-to-end test and the server benchmark:
-started on a free port, waited for until ``/health`` answers, always stopped."""
+started on a free port, waited for until ``/health`` answers, always stopped; and the chunks of
+its streamed answers."""
 
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
 import socket
@@ -11,7 +13,18 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
+
+
+def sse_chunks(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI-style server-sent event stream, up to ``data: [DONE]``."""
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[len(b"data: ") :].strip()
+        if payload == b"[DONE]":
+            return
+        yield json.loads(payload)
 
 
 def free_port() -> int:
