@@ -25,21 +25,11 @@ openai = pytest.importorskip("openai")
 from mlx_batched_decode.tools.local_server import healthy, running_server  # noqa: E402
 from mlx_batched_decode.tools.model_folder import SPECIAL_TOKENS, save_model_folder, word  # noqa: E402
 
-VOCAB = 160
-CONFIG = dict(
-    model_type="llama",
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    layer_types=["sliding_attention", "full_attention"],
-    sliding_window=48,
-    rms_norm_eps=1e-5,
-    vocab_size=VOCAB,
-    tie_word_embeddings=False,
-)
+from tests.support.mlx_lm_models import SERVED_LLAMA  # noqa: E402
+
+# A sliding-window layer, then a full one.
+CONFIG = dict(SERVED_LLAMA, layer_types=["sliding_attention", "full_attention"], sliding_window=48)
+VOCAB = CONFIG["vocab_size"]
 CONCURRENT = 16
 REQUEST_TIMEOUT_S = 60.0
 STARTUP_TIMEOUT_S = 90.0

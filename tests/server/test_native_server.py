@@ -37,19 +37,9 @@ from mlx_batched_decode.tools.model_folder import (  # noqa: E402
     word,
 )
 
-VOCAB = 160
-CONFIG = dict(
-    model_type="llama",
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    rms_norm_eps=1e-5,
-    vocab_size=VOCAB,
-    tie_word_embeddings=False,
-)
+from tests.support.mlx_lm_models import SERVED_LLAMA as CONFIG  # noqa: E402
+
+VOCAB = CONFIG["vocab_size"]
 REQUEST_TIMEOUT_S = 60.0
 STARTUP_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 30.0

@@ -71,6 +71,19 @@ GEMMA3_TEXT = dict(
 )
 
 
+# The model the server tests serve: 160 token ids, model_folder's word tokenizer's.
+SERVED_LLAMA = dict(
+    model_type="llama",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-5,
+    vocab_size=160,
+    tie_word_embeddings=False,
+)
 # DeepSeek-V3's multi-head latent attention: latent 32 + rope 8 keys per token, one KV head
 # in latent space; a query LoRA, a yarn rope whose mscale enters the scale, a MoE layer.
 _MLA = dict(
