@@ -53,6 +53,14 @@ void check_triple(const std::vector<mx::array>& triple, const std::string& name,
   }
 }
 
+// A head dim of keys or values: a multiple of group_size up to most.
+void check_head_dim(const std::string& whose, int dim, int most, int group_size) {
+  if (dim < 1 || dim > most || dim % group_size != 0) {
+    fail(whose + " head dim " + std::to_string(dim) + " is not supported with group_size " +
+         std::to_string(group_size) + "; multiples of group_size up to " + std::to_string(most) + " are.");
+  }
+}
+
 DecodeShape check_quantized_arguments(const mx::array& queries, const std::vector<mx::array>& keys,
                                       const std::vector<mx::array>& values, const mx::array& valid_lens,
                                       int group_size, int bits, const DecodeOptions& options) {
@@ -63,22 +71,21 @@ DecodeShape check_quantized_arguments(const mx::array& queries, const std::vecto
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     fail("group_size must be 32, 64 or 128, got " + std::to_string(group_size) + ".");
   }
-  if (d.D < 1 || d.D > kMaxHeadDim || d.D % group_size != 0) {
-    fail("head dim " + std::to_string(d.D) + " is not supported with group_size " + std::to_string(group_size) +
-         "; multiples of group_size up to " + std::to_string(kMaxHeadDim) + " are.");
-  }
   if (keys.size() == 3 && keys[0].ndim() == 4) {
     d.H_kv = keys[0].shape(1);
     d.T = keys[0].shape(2);
   }
+  // Values may be narrower than keys (MLA's latent): their words give their head dim.
+  d.Dv = values.size() == 3 && values[0].ndim() == 4 ? values[0].shape(3) * 32 / bits : d.D;
+  check_head_dim("the keys'", d.D, kMaxKeyHeadDim, group_size);
+  check_head_dim("the values'", d.Dv, kMaxHeadDim, group_size);
   const mx::Shape rows = {d.B, d.H_kv, d.T};
   check_triple(keys, "keys", rows, d.D, group_size, bits);
-  check_triple(values, "values", rows, d.D, group_size, bits);
+  check_triple(values, "values", rows, d.Dv, group_size, bits);
   if (values[1].dtype() != keys[1].dtype()) {
     fail("the scales of keys and values must share one dtype, got " + dtype_str(keys[1].dtype()) + " and " +
          dtype_str(values[1].dtype()) + ".");
   }
-  d.Dv = d.D;
   check_heads(kOp, d);
   reject_ring(kOp, options);
   check_options(kOp, d, valid_lens, options);

@@ -534,7 +534,7 @@ inline constexpr bool kScoresOnIntegers = kIntegerScores && !std::is_same_v<T, f
 // The quantized row source's per-thread scratch: a block's packed rows
 // gathered from a strided last axis, the scales and biases of its
 // keys and values as float32, group-major [4][groups, kBlock] (key scales, key
-// biases, value scales, value biases), the query rows' sums per group
+// biases, value scales, value biases; groups of the wider side, scratch_groups), the query rows' sums per group
 // [R, groups], for integer scores their int16 words [R, Dp] and scales
 // [R, groups] (query_words) and a block's integer dot products [R, groups,
 // kBlock] (dot_rows_integer), and per block each row's weights times the value
@@ -562,6 +562,11 @@ struct QuantizedScratch {
 };
 
 thread_local QuantizedScratch tls_quantized;
+
+// Groups per row of the wider of keys and values: the stride of QuantizedScratch::sb.
+inline int scratch_groups(const DecodeArgs& a) {
+  return a.quant.groups(std::max(a.D, a.Dv));
+}
 
 // Elements first + j * step of a float16, bfloat16 or float32 array as float32, for j < n.
 template <typename S>
@@ -627,7 +632,9 @@ template <int Bits>
 Lookahead load_quantized_block(const DecodeArgs& a, int side, int b, int h, int t, int n, int end,
                                QuantizedScratch& s, const uint32_t** rows) {
   const QuantizedRows& qr = a.quant;
-  const int words = a.D * Bits / 32, groups = qr.groups(a.D);
+  // Values may be narrower than keys (Dv < D).
+  const int dim = side ? a.Dv : a.D;
+  const int words = dim * Bits / 32, groups = qr.groups(dim);
   const int64_t* stride = side ? a.v_stride : a.k_stride;
   const uint32_t* head = static_cast<const uint32_t*>(side ? a.values : a.keys) + b * stride[0] + h * stride[1];
   for (int j = 0; j < n; ++j) {
@@ -648,7 +655,7 @@ Lookahead load_quantized_block(const DecodeArgs& a, int side, int b, int h, int 
   for (int kind = 0; kind < 2; ++kind) {
     const void* base = kind ? qr.biases[side] : qr.scales[side];
     const int64_t* st = kind ? qr.biases_stride[side] : qr.scales_stride[side];
-    float* out = s.sb.data() + (2 * side + kind) * groups * kBlock;
+    float* out = s.sb.data() + (2 * side + kind) * scratch_groups(a) * kBlock;
     const int64_t first = b * st[0] + h * st[1] + int64_t{t} * st[2];
     switch (qr.scales_dtype) {
       case Dtype::float16:
@@ -692,7 +699,7 @@ void score_quantized_block(const DecodeArgs& a, const float* qs, int b, int h, i
   const float* qscale = s.qscale.data();
   int32_t* sums = s.sums.data();
   const float* scales = s.sb.data();
-  const float* biases = scales + groups * kBlock;
+  const float* biases = scales + scratch_groups(a) * kBlock;
   const int words = a.D * Bits / 32, group_size = a.quant.group_size;
 #if defined(MBD_INTEGER_SCORES)
   if constexpr (Integer) {
@@ -729,11 +736,12 @@ template <int Bits, int D>
 void accumulate_quantized_block(const DecodeArgs& a, int b, int h, int t, int n, int end, const float* w,
                                 const float* alpha, const uint32_t* masks, bool masked, float* acc,
                                 QuantizedScratch& s) {
-  const int Dp = D ? D : a.Dp, groups = a.quant.groups(a.D), R = a.rows();
+  // The values' own width and groups (Dv may differ from D).
+  const int Dvp = D ? D : a.Dvp, groups = a.quant.groups(a.Dv), R = a.rows();
   const uint32_t* rows[kBlock];
   const Lookahead ahead = load_quantized_block<Bits>(a, 1, b, h, t, n, end, s, rows);
-  const float* scales = s.sb.data() + 2 * groups * kBlock;
-  const float* biases = scales + groups * kBlock;
+  const float* scales = s.sb.data() + 2 * scratch_groups(a) * kBlock;
+  const float* biases = scales + scratch_groups(a) * kBlock;
   for (int r = 0; r < R; ++r) {
     const float* wr = w + r * kBlock;
     for (int g = 0; g < groups; ++g) {
@@ -760,16 +768,16 @@ void accumulate_quantized_block(const DecodeArgs& a, int b, int h, int t, int n,
   // Locals, as rows: see score_quantized_block.
   const float* ws = s.ws.data();
   const float* bias_sum = s.bias_sum.data();
-  const int words = a.D * Bits / 32, group_size = a.quant.group_size;
+  const int words = a.Dv * Bits / 32, group_size = a.quant.group_size;
   // Masked keys weigh 0 in ws and bias_sum, and their integers are finite: no mask needed.
   auto tiles = [&]<bool Wide>() {
     for_row_tiles<4>(0, R, [&]<int H>(int r) {
-      accumulate_rows_quantized<Bits, D, H, Wide>(acc + r * Dp, alpha + r, ws + r * groups * kBlock, kBlock,
-                                                  bias_sum + r * groups, rows, n, Dp, group_size, words,
+      accumulate_rows_quantized<Bits, D, H, Wide>(acc + r * Dvp, alpha + r, ws + r * groups * kBlock, kBlock,
+                                                  bias_sum + r * groups, rows, n, Dvp, group_size, words,
                                                   r == 0 ? ahead : Lookahead{});
     });
   };
-  if (group_size % 64 == 0 && Dp % 64 == 0) {
+  if (group_size % 64 == 0 && Dvp % 64 == 0) {
     tiles.template operator()<true>();
   } else {
     tiles.template operator()<false>();
@@ -895,7 +903,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
   QuantizedScratch& quantized = tls_quantized;
   if constexpr (Bits != 0) {
     const int groups = a.quant.groups(a.D);
-    quantized.reserve(R, a.D * Bits / 32, groups, Dp);
+    quantized.reserve(R, std::max(a.D, a.Dv) * Bits / 32, scratch_groups(a), Dp);
     // Scaled float32 queries and their sums per group, the second term of q . k.
     load_queries<T, D, false>(a, c, passes[0].qs, nullptr);
     passes[0].vector_queries = true;

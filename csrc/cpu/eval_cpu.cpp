@@ -133,7 +133,9 @@ void PagedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::ar
 
 void QuantizedBatchedDecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   cpu::DecodeArgs a = describe(*this, inputs, out);
-  a.Dp = a.Dvp = a.D; // a multiple of group_size, so of 32 (the op takes no Dv of its own here)
+  // Multiples of group_size, so of 32: no padding.
+  a.Dp = a.D;
+  a.Dvp = a.Dv;
   a.quant.bits = attributes().bits;
   a.quant.group_size = attributes().group_size;
   a.quant.scales_dtype = to_kernel_dtype(inputs[kKeyScales].dtype());

@@ -1077,8 +1077,9 @@ template <typename T, int D, int DV, bool GENERIC>
 // The quantized kernel: keys and values as mx.quantize's (packed uint32
 // [B, H_kv, T, D * BITS / 32], scales and biases [B, H_kv, T, D / group_size]
 // of float16, bfloat16 or float32) triples, any strides but the words' last
-// axis; values as wide as keys. The reduce pass is batched_decode_attention_reduce's.
-template <typename T, int D, bool GENERIC, int BITS>
+// axis; values of head dim DV (MLA's latent: narrower than keys). The reduce
+// pass is batched_decode_attention_reduce's.
+template <typename T, int D, int DV, bool GENERIC, int BITS>
 [[kernel]] void quantized_batched_decode_attention(
     const device T* queries [[buffer(0)]],
     const device uint* keys [[buffer(1)]],
@@ -1101,10 +1102,10 @@ template <typename T, int D, bool GENERIC, int BITS>
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint num_sg [[simdgroups_per_threadgroup]]) {
-  const BdaQuantizedRows<BITS, bda_vector_width<D, D, GENERIC>()> kv{
+  const BdaQuantizedRows<BITS, bda_vector_width<D, DV, GENERIC>()> kv{
       keys, values, key_scales, key_biases, value_scales, value_biases, p.k_batch_stride, p.k_head_stride,
       p.k_seq_stride, p.v_batch_stride, p.v_head_stride, p.v_seq_stride, &q, 0, 0};
-  bda_attend<T, D, D, GENERIC, false>(queries, kv, valid_lens, kv_starts, sinks, nullptr, query_starts, out,
+  bda_attend<T, D, DV, GENERIC, false>(queries, kv, valid_lens, kv_starts, sinks, nullptr, query_starts, out,
                                       partial_acc, partial_max, partial_sum, p, nullptr, tgid, 0, p.num_requests, sg,
                                       lane, num_sg);
 }

@@ -10,9 +10,9 @@
 //     the generic path for every other (D, Dv), D in 1..576 and Dv in 1..512,
 //     N the smallest of 32, 64, 128, 256, 512, 576 with max(D, Dv) <= N; D and
 //     Dv read at run time, scalar loads.
-//   quantized_batched_decode_attention_<dtype>_<D>_<bits>bit (and _upto<N>_<bits>bit):
-//     the same on mx.quantize triples of bits 4 or 8, for the head dims that
-//     are multiples of 32 (the group sizes' multiple), with the reduce above;
+//   quantized_batched_decode_attention_<dtype>_<D>_<bits>bit (and _<D>_v<Dv>_<bits>bit,
+//     _upto<N>_<bits>bit): the same on mx.quantize triples of bits 4 or 8, for
+//     the head dims that are multiples of 32 (the group sizes' multiple), with the reduce above;
 //   ragged_decode_attention_<dtype>_<D> (and _<D>_v<Dv>, _upto<N>): the main
 //     pass on one buffer per request, for every head dim above, with the reduce above.
 // The fast dense and ragged kernels of D = Dv <= 128 (32, 64, 80, 96, 112, 128)
@@ -55,15 +55,17 @@
   instantiate_generic(tname, type, 512)                        \
   instantiate_generic(tname, type, 576)
 
-#define instantiate_quantized_kernel(tname, type, dim, suffix, generic, bits)                      \
+#define instantiate_quantized_kernel(tname, type, dim, vdim, suffix, generic, bits)                \
   template [[host_name("quantized_batched_decode_attention_" #tname "_" #suffix "_" #bits "bit")]] \
-  [[kernel]] decltype(quantized_batched_decode_attention<type, dim, generic, bits>)                 \
-      quantized_batched_decode_attention<type, dim, generic, bits>;
+  [[kernel]] decltype(quantized_batched_decode_attention<type, dim, vdim, generic, bits>)           \
+      quantized_batched_decode_attention<type, dim, vdim, generic, bits>;
 
 #define instantiate_quantized_fast(tname, type, dim, bits) \
-  instantiate_quantized_kernel(tname, type, dim, dim, false, bits)
+  instantiate_quantized_kernel(tname, type, dim, dim, dim, false, bits)
+#define instantiate_quantized_fast_pair(tname, type, dim, vdim, bits) \
+  instantiate_quantized_kernel(tname, type, dim, vdim, dim##_v##vdim, false, bits)
 #define instantiate_quantized_generic(tname, type, dim, bits) \
-  instantiate_quantized_kernel(tname, type, dim, upto##dim, true, bits)
+  instantiate_quantized_kernel(tname, type, dim, dim, upto##dim, true, bits)
 
 #define instantiate_quantized_dims_bits(tname, type, bits) \
   instantiate_quantized_fast(tname, type, 32, bits)        \
@@ -74,8 +76,13 @@
   instantiate_quantized_fast(tname, type, 192, bits)       \
   instantiate_quantized_fast(tname, type, 256, bits)       \
   instantiate_quantized_fast(tname, type, 512, bits)       \
+  instantiate_quantized_fast_pair(tname, type, 192, 128, bits) \
+  instantiate_quantized_fast_pair(tname, type, 576, 512, bits) \
+  instantiate_quantized_generic(tname, type, 64, bits)     \
+  instantiate_quantized_generic(tname, type, 128, bits)    \
   instantiate_quantized_generic(tname, type, 256, bits)    \
-  instantiate_quantized_generic(tname, type, 512, bits)
+  instantiate_quantized_generic(tname, type, 512, bits)    \
+  instantiate_quantized_generic(tname, type, 576, bits)
 
 #define instantiate_quantized_dims(tname, type)  \
   instantiate_quantized_dims_bits(tname, type, 4) \

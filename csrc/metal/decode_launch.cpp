@@ -46,12 +46,12 @@ void check_last_axis(const char* op, const mx::array& a, const std::string& name
 namespace {
 
 // The source of the run-time library of (dtype, D, Dv), with the quantized main
-// kernel of `bits` when bits != 0 (Dv = D), or the ragged main kernel.
+// kernel of `bits` when bits != 0, or the ragged main kernel.
 std::string kernel_source(KernelDtype dtype, int head_dim, int value_dim, int bits, bool ragged) {
   if (ragged) {
     return ragged_library_source(metal_source(), dtype, head_dim, value_dim);
   }
-  return bits ? quantized_library_source(metal_source(), dtype, head_dim, bits)
+  return bits ? quantized_library_source(metal_source(), dtype, head_dim, value_dim, bits)
               : library_source(metal_source(), dtype, head_dim, value_dim);
 }
 
@@ -70,7 +70,7 @@ MTL::Library* kernel_library(mx::metal::Device& d, KernelDtype dtype, int head_d
   }
   const std::string hash = metal_source_hash();
   const std::string name = ragged ? ragged_library_name(hash, dtype, head_dim, value_dim)
-      : bits                        ? quantized_library_name(hash, dtype, head_dim, bits)
+      : bits                        ? quantized_library_name(hash, dtype, head_dim, value_dim, bits)
                                     : library_name(hash, dtype, head_dim, value_dim);
   try {
     // MLX's safe math mode: the kernel needs IEEE infinities and NaN (as the metallib's -fno-fast-math).

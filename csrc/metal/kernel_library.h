@@ -19,7 +19,7 @@ inline const char* msl_type(KernelDtype dtype) {
 }
 
 // The instantiation macro's arguments of (dtype, D, Dv) after its name ("fast(", "fast_pair(" or
-// "generic("), prefix its family ("", "ragged_").
+// "generic("), prefix its family ("", "ragged_", "quantized_").
 inline std::string instantiation_of(const char* prefix, KernelDtype dtype, int head_dim, int value_dim) {
   const bool pair = value_dim > 0 && value_dim != head_dim && is_fast_kernel(head_dim, value_dim);
   const std::string kind = pair ? "fast_pair(" : is_fast_kernel(head_dim, value_dim) ? "fast(" : "generic(";
@@ -48,23 +48,25 @@ inline std::string library_source(const std::string& source, KernelDtype dtype, 
   return "#define MBD_KERNELS " + kernel_instantiation(dtype, head_dim, value_dim) + "\n" + source;
 }
 
-/** The .metal lines instantiating the quantized main kernel of (dtype, D, bits) and the reduce of (dtype, D). */
-inline std::string quantized_kernel_instantiation(KernelDtype dtype, int head_dim, int bits) {
-  const bool fast = is_fast_head_dim(head_dim);
-  return kernel_instantiation(dtype, head_dim) + " " + (fast ? "instantiate_quantized_fast(" : "instantiate_quantized_generic(") +
-      dtype_name(dtype) + ", " + msl_type(dtype) + ", " + std::to_string(kernel_head_dim(head_dim)) + ", " +
+/** The .metal lines instantiating the quantized main kernel of (dtype, D, Dv, bits) and the reduce of (dtype, D, Dv). */
+inline std::string quantized_kernel_instantiation(KernelDtype dtype, int head_dim, int value_dim, int bits) {
+  const std::string main = instantiation_of("quantized_", dtype, head_dim, value_dim);
+  // The quantized macros take the bits last: "...(float16, half, 576, 512)" -> "..., 576, 512, 4)".
+  return kernel_instantiation(dtype, head_dim, value_dim) + " " + main.substr(0, main.size() - 1) + ", " +
       std::to_string(bits) + ")";
 }
 
-/** Name of the run-time library of the quantized kernel of (dtype, D, bits). */
-inline std::string quantized_library_name(const std::string& source_hash, KernelDtype dtype, int head_dim, int bits) {
-  return "mlx_batched_decode_" + source_hash + "_quantized_" + kernel_suffix(dtype, head_dim) + "_" +
+/** Name of the run-time library of the quantized kernel of (dtype, D, Dv, bits). */
+inline std::string quantized_library_name(const std::string& source_hash, KernelDtype dtype, int head_dim,
+                                          int value_dim, int bits) {
+  return "mlx_batched_decode_" + source_hash + "_quantized_" + kernel_suffix(dtype, head_dim, value_dim) + "_" +
       std::to_string(bits) + "bit";
 }
 
 /** The source of that library, as library_source. */
-inline std::string quantized_library_source(const std::string& source, KernelDtype dtype, int head_dim, int bits) {
-  return "#define MBD_KERNELS " + quantized_kernel_instantiation(dtype, head_dim, bits) + "\n" + source;
+inline std::string quantized_library_source(const std::string& source, KernelDtype dtype, int head_dim,
+                                            int value_dim, int bits) {
+  return "#define MBD_KERNELS " + quantized_kernel_instantiation(dtype, head_dim, value_dim, bits) + "\n" + source;
 }
 
 /** The .metal lines instantiating the ragged main kernel of (dtype, D, Dv) and the reduce of (dtype, D, Dv). */

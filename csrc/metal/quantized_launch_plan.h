@@ -13,9 +13,11 @@
 
 namespace mlx_batched_decode {
 
-/** Host name of the quantized main kernel: "quantized_batched_decode_attention_float16_128_8bit". */
-inline std::string quantized_kernel_name(KernelDtype dtype, int head_dim, int bits) {
-  return "quantized_batched_decode_attention_" + kernel_suffix(dtype, head_dim) + "_" + std::to_string(bits) + "bit";
+/** Host name of the quantized main kernel of (D, Dv; value_dim 0: Dv = D):
+ * "quantized_batched_decode_attention_float16_128_8bit", "..._float16_576_v512_4bit". */
+inline std::string quantized_kernel_name(KernelDtype dtype, int head_dim, int value_dim, int bits) {
+  return "quantized_batched_decode_attention_" + kernel_suffix(dtype, head_dim, value_dim) + "_" +
+      std::to_string(bits) + "bit";
 }
 
 /** The launch of both passes for packed keys and values of `bits` in groups of `group_size`. */
@@ -28,16 +30,18 @@ inline LaunchPlan make_quantized_launch_plan(const LaunchShape& s, const ThreadL
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument(prefix + "group_size must be 32, 64 or 128");
   }
-  if (value_head_dim(s) != s.head_dim || s.head_dim > kMaxHeadDim) {
-    throw std::invalid_argument(prefix + "keys and values share one head dim, at most " +
-                                std::to_string(kMaxHeadDim));
+  const int dv = value_head_dim(s);
+  if (s.head_dim > kMaxKeyHeadDim || dv > kMaxHeadDim) {
+    throw std::invalid_argument(prefix + "head dims of at most " + std::to_string(kMaxKeyHeadDim) +
+                                " (keys) and " + std::to_string(kMaxHeadDim) + " (values) are supported");
   }
-  if (s.head_dim % group_size != 0) {
-    throw std::invalid_argument(prefix + "head dim " + std::to_string(s.head_dim) + " is not a multiple of group_size");
+  if (s.head_dim % group_size != 0 || dv % group_size != 0) {
+    throw std::invalid_argument(prefix + "head dims " + std::to_string(s.head_dim) + " and " + std::to_string(dv) +
+                                " are not both multiples of group_size");
   }
   // The quantized rows have no tiled path: their packed words are read a word per lane.
   LaunchPlan p = make_launch_plan(s, limits, false);
-  p.kernel = quantized_kernel_name(s.dtype, s.head_dim, bits);
+  p.kernel = quantized_kernel_name(s.dtype, s.head_dim, dv, bits);
   return p;
 }
 
@@ -51,8 +55,9 @@ struct QuantizedStrides {
 inline QuantizedDecodeParams make_quantized_params(const LaunchShape& s, const QuantizedStrides& strides,
                                                    int group_size, KernelDtype scales_dtype) {
   QuantizedDecodeParams q{};
-  const int sizes[4] = {s.batch, s.num_kv_heads, s.seq_len, s.head_dim / group_size};
   for (int side = 0; side < 2; ++side) {
+    const int dim = side ? value_head_dim(s) : s.head_dim;
+    const int sizes[4] = {s.batch, s.num_kv_heads, s.seq_len, dim / group_size};
     for (int axis = 0; axis < 4; ++axis) {
       q.scales_stride[side][axis] = sizes[axis] > 1 ? strides.scales[side][axis] : 0;
       q.biases_stride[side][axis] = sizes[axis] > 1 ? strides.biases[side][axis] : 0;

@@ -173,9 +173,9 @@ class EmulatedLibrary:
             ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         self._lib.mbd_emu_last_launch.argtypes = [ctypes.POINTER(Launch)]
         self._lib.mbd_emu_library_name.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                                   ctypes.c_int, ctypes.c_char_p]
+                                                   ctypes.c_int, ctypes.c_int, ctypes.c_char_p]
         self._lib.mbd_emu_library_source.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                                     ctypes.c_int, ctypes.c_char_p, ctypes.c_longlong]
+                                                     ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_longlong]
         self._lib.mbd_emu_library_source.restype = ctypes.c_longlong
         self._lib.mbd_emu_metal_backend.argtypes = [ctypes.c_int, ctypes.c_int]
         self._lib.mbd_emu_metal_backend.restype = ctypes.c_char_p
@@ -337,15 +337,16 @@ class EmulatedLibrary:
                             sinks: np.ndarray | None = None, max_threads: int = 1024,
                             backend: str = "fibers", softcap: float | None = None,
                             query_starts: np.ndarray | None = None) -> np.ndarray:
-        """Runs the emulated quantized kernel and its reduce; returns [B, H_q, L, D] (packed queries,
-        see ``attention``: [N, H_q, D]) in the storage dtype.
+        """Runs the emulated quantized kernel and its reduce; returns [B, H_q, L, Dv] (packed queries,
+        see ``attention``: [N, H_q, Dv]) in the storage dtype.
 
-        ``keys``, ``values``: (packed uint32 [B, H_kv, T, D * bits / 32], scales, biases
-        [B, H_kv, T, D / group_size] in the storage of ``scales_dtype``), any strides but the
-        words' last axis; the rest as ``attention`` (NaN margins around every buffer).
+        ``keys``: (packed uint32 [B, H_kv, T, D * bits / 32], scales, biases [B, H_kv, T,
+        D / group_size] in the storage of ``scales_dtype``), any strides but the words' last axis;
+        ``values`` the same of head dim Dv; the rest as ``attention`` (NaN margins around every buffer).
         """
         (b, h_q, rows, d), q_strides = _query_view(queries, query_starts)
         h_kv, t = keys[0].shape[1], keys[0].shape[2]
+        dv = values[0].shape[-1] * 32 // bits
         for name, triple in (("keys", keys), ("values", values)):
             if triple[0].dtype != np.uint32 or (triple[0].size and triple[0].strides[-1] != 4):
                 raise ValueError(f"{name}: packed words must be uint32 with a contiguous last axis")
@@ -362,11 +363,11 @@ class EmulatedLibrary:
         scale_itemsize = keys[1].itemsize
         quantized_strides = [s // scale_itemsize for a in arrays[6:] for s in a.strides]
         starts_copy, starts_args = _query_starts_args(query_starts, True)
-        buffer, out = _output((rows, h_q, d) if query_starts is not None else (b, h_q, rows, d), dtype)
+        buffer, out = _output((rows, h_q, dv) if query_starts is not None else (b, h_q, rows, dv), dtype)
         error = ctypes.create_string_buffer(4096)
         status = self._lib.mbd_emu_quantized_attention(
             self._shape(b, h_q, h_kv, rows, t, d, effective_window(window, t), dtype, max_threads,
-                        kv_starts is not None, sinks is not None, None, d, query_starts is not None),
+                        kv_starts is not None, sinks is not None, None, dv, query_starts is not None),
             (ctypes.c_longlong * 12)(*strides, valid_lens.strides[0] // 4, *option_strides),
             (ctypes.c_longlong * 16)(*quantized_strides), (ctypes.c_int * 3)(bits, group_size, DTYPES[scales_dtype]),
             *addresses[:6], (ctypes.c_void_p * 4)(*addresses[6:]), spans, out.ctypes.data, scale, softcap or 0.0,
@@ -490,19 +491,22 @@ class EmulatedLibrary:
         self._lib.mbd_emu_last_launch(ctypes.byref(launch))
         return {name: dict(zip(BUFFERS, counts)) for name, counts in zip(("main", "reduce"), launch.loaded)}
 
-    def library_name(self, source_hash: str, dtype: str, d: int, ragged: bool = False, dv: int | None = None) -> str:
-        """``library_name`` (``ragged_library_name``) of csrc/metal/kernel_library.h: the run-time
-        library of (dtype, D, Dv; None: D)."""
+    def library_name(self, source_hash: str, dtype: str, d: int, ragged: bool = False, dv: int | None = None,
+                     bits: int = 0) -> str:
+        """``library_name`` (``ragged_library_name``; bits 4 or 8: ``quantized_library_name``) of
+        csrc/metal/kernel_library.h: the run-time library of (dtype, D, Dv; None: D)."""
         out = ctypes.create_string_buffer(128)
-        self._lib.mbd_emu_library_name(source_hash.encode(), DTYPES[dtype], d, dv or 0, int(ragged), out)
+        self._lib.mbd_emu_library_name(source_hash.encode(), DTYPES[dtype], d, dv or 0, int(ragged), bits, out)
         return out.value.decode()
 
-    def library_source(self, source: str, dtype: str, d: int, ragged: bool = False, dv: int | None = None) -> str:
-        """``library_source`` (``ragged_library_source``) of csrc/metal/kernel_library.h: what
-        eval_gpu compiles for (dtype, D, Dv; None: D)."""
-        size = self._lib.mbd_emu_library_source(source.encode(), DTYPES[dtype], d, dv or 0, int(ragged), None, 0)
+    def library_source(self, source: str, dtype: str, d: int, ragged: bool = False, dv: int | None = None,
+                       bits: int = 0) -> str:
+        """``library_source`` (``ragged_library_source``; bits: ``quantized_library_source``) of
+        csrc/metal/kernel_library.h: what eval_gpu compiles for (dtype, D, Dv; None: D)."""
+        args = (source.encode(), DTYPES[dtype], d, dv or 0, int(ragged), bits)
+        size = self._lib.mbd_emu_library_source(*args, None, 0)
         out = ctypes.create_string_buffer(size + 1)
-        self._lib.mbd_emu_library_source(source.encode(), DTYPES[dtype], d, dv or 0, int(ragged), out, size + 1)
+        self._lib.mbd_emu_library_source(*args, out, size + 1)
         return out.value.decode()
 
     def metal_backend(self, metal_present: bool, metallib_on_disk: bool) -> str | None:

@@ -450,21 +450,27 @@ void mbd_emu_last_launch(MbdLaunch* out) {
   *out = last_launch;
 }
 
-/** library_name (ragged: ragged_library_name) of csrc/metal/kernel_library.h; value_dim 0: Dv = D. */
-void mbd_emu_library_name(const char* source_hash, int dtype, int head_dim, int value_dim, int ragged,
+/** library_name (ragged: ragged_library_name; bits 4 or 8: quantized_library_name) of
+ * csrc/metal/kernel_library.h; value_dim 0: Dv = D. */
+void mbd_emu_library_name(const char* source_hash, int dtype, int head_dim, int value_dim, int ragged, int bits,
                           char out[128]) {
-  const std::string name = ragged ? ragged_library_name(source_hash, KernelDtype(dtype), head_dim, value_dim)
-                                  : library_name(source_hash, KernelDtype(dtype), head_dim, value_dim);
+  const KernelDtype kd = KernelDtype(dtype);
+  const std::string name = ragged ? ragged_library_name(source_hash, kd, head_dim, value_dim)
+      : bits                      ? quantized_library_name(source_hash, kd, head_dim, value_dim, bits)
+                                  : library_name(source_hash, kd, head_dim, value_dim);
   std::strncpy(out, name.c_str(), 127);
   out[127] = '\0';
 }
 
-/** library_source (ragged: ragged_library_source) of csrc/metal/kernel_library.h, written
- * to out when it fits (out_len bytes, the NUL included); returns its length. */
-long long mbd_emu_library_source(const char* source, int dtype, int head_dim, int value_dim, int ragged, char* out,
-                                 long long out_len) {
-  const std::string text = ragged ? ragged_library_source(source, KernelDtype(dtype), head_dim, value_dim)
-                                  : library_source(source, KernelDtype(dtype), head_dim, value_dim);
+/** library_source (ragged: ragged_library_source; bits: quantized_library_source) of
+ * csrc/metal/kernel_library.h, written to out when it fits (out_len bytes, the NUL included);
+ * returns its length. */
+long long mbd_emu_library_source(const char* source, int dtype, int head_dim, int value_dim, int ragged, int bits,
+                                 char* out, long long out_len) {
+  const KernelDtype kd = KernelDtype(dtype);
+  const std::string text = ragged ? ragged_library_source(source, kd, head_dim, value_dim)
+      : bits                      ? quantized_library_source(source, kd, head_dim, value_dim, bits)
+                                  : library_source(source, kd, head_dim, value_dim);
   if (out_len > (long long)text.size()) {
     std::memcpy(out, text.c_str(), text.size() + 1);
   }

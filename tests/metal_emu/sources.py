@@ -38,7 +38,7 @@ def instantiations(kernel: str) -> list[str]:
     if family == "ragged_decode_attention":
         return [dense, f"instantiate_ragged_{kind}({dtype}, {MSL_TYPES[dtype]}, {dims})"]
     if family == "quantized_batched_decode_attention":
-        return [dense, f"instantiate_quantized_{kind}({dtype}, {MSL_TYPES[dtype]}, {dim}, {bits})"]
+        return [dense, f"instantiate_quantized_{kind}({dtype}, {MSL_TYPES[dtype]}, {dims}, {bits})"]
     return [dense]
 
 

@@ -7,8 +7,11 @@ NaN scales and biases and all-ones words, so each case also proves those positio
 read.
 
 Dimensions: B requests, H_q/H_kv query/KV heads, G = H_q / H_kv, L query rows, T positions,
-D head dim, W = D * bits / 32 packed words, S = D / group_size groups.
+D head dim of queries and keys, Dv of values, W = D * bits / 32 packed words, S = D / group_size
+groups.
 """
+
+import itertools
 
 import mlx.core as mx
 import numpy as np
@@ -67,13 +70,14 @@ def poisoned(triple, unread):
 
 
 def case(dtype, D, G, L, group_size, bits, scale_dtype=None, starts=None, window=None, seed=0,
-         lens=LENGTHS, t=T, H_kv=2):
-    """Queries, the clean and poisoned key/value triples and the float64 reference's inputs."""
+         lens=LENGTHS, t=T, H_kv=2, Dv=None):
+    """Queries, the clean and poisoned key/value triples and the float64 reference's inputs;
+    values of head dim Dv (None: D)."""
     rng = np.random.default_rng(seed)
     B = len(lens)
     q = mx.array(rng.standard_normal((B, H_kv * G, L, D)).astype(np.float32)).astype(dtype)
     k = mx.array(rng.standard_normal((B, H_kv, t, D)).astype(np.float32))
-    v = mx.array(rng.standard_normal((B, H_kv, t, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((B, H_kv, t, Dv or D)).astype(np.float32))
     scale_dtype = scale_dtype or dtype
     kq, vq = quantized(k, group_size, bits, scale_dtype), quantized(v, group_size, bits, scale_dtype)
     unread = ~attended(lens, starts, L, window, t)
@@ -108,6 +112,42 @@ def test_matches_float64(dtype, D, group_size, bits, kernel_calls):
     out = mbd.quantized_batched_decode_attention(
         q, k_nan, v_nan, mx.array(LENGTHS), group_size=group_size, bits=bits)
     check(out, expected(q, kq, vq, LENGTHS, group_size, bits), dtype)
+    assert kernel_calls() == 1
+
+
+# (D, Dv, group_size): DeepSeek-V2's 192 / 128, MLA's latent 576 / 512 (keys past 512 columns,
+# 18 groups of 32), MiniCPM3's 96 / 64, values wider than keys.
+VALUE_DIMS = [(192, 128, 64), (576, 512, 32), (576, 512, 64), (96, 64, 32), (64, 128, 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D,Dv,group_size", VALUE_DIMS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_values_of_their_own_head_dim(dtype, D, Dv, group_size, bits, kernel_calls):
+    G, L = [(1, 1), (4, 1), (2, 3), (4, 3)][(D // 32 + Dv // 32 + bits) % 4]
+    starts, window = ([0, 0, 12, 30, 60, 5], 40) if bits == 4 else (None, None)
+    q, kq, vq, k_nan, v_nan = case(dtype, D, G, L, group_size, bits, starts=starts, window=window,
+                                   seed=D + Dv + bits, Dv=Dv)
+    out = mbd.quantized_batched_decode_attention(
+        q, k_nan, v_nan, mx.array(LENGTHS), group_size=group_size, bits=bits,
+        kv_starts=None if starts is None else mx.array(starts), window=window)
+    assert out.shape == (len(LENGTHS), q.shape[1], L, Dv)
+    check(out, expected(q, kq, vq, LENGTHS, group_size, bits, starts, window), dtype)
+    assert kernel_calls() == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_latent_values_are_a_view_of_the_keys(dtype, bits, kernel_calls):
+    """MLA in latent space: one KV head of r + R = 576 columns, 16 query heads, the values the
+    keys' first r = 512 columns, their words, scales and biases sliced in place."""
+    r, R, group_size = 512, 64, 64
+    q, kq, _, k_nan, _ = case(dtype, r + R, 16, 1, group_size, bits, seed=bits, H_kv=1)
+    latent = lambda triple: (triple[0][..., :r * bits // 32], triple[1][..., :r // group_size],
+                             triple[2][..., :r // group_size])
+    out = mbd.quantized_batched_decode_attention(q, k_nan, latent(k_nan), mx.array(LENGTHS),
+                                                 group_size=group_size, bits=bits)
+    check(out, expected(q, kq, latent(kq), LENGTHS, group_size, bits), dtype)
     assert kernel_calls() == 1
 
 
@@ -180,8 +220,8 @@ def test_every_instruction_set(isa):
     previous = mbd._ext.cpu_isa()
     mbd._ext.set_cpu_isa(isa)
     try:
-        for bits in (4, 8):
-            q, kq, vq, k_nan, v_nan = case(mx.float16, 128, 4, 1, 64, bits, seed=bits)
+        for bits, (D, Dv) in itertools.product((4, 8), ((128, 128), (576, 512))):
+            q, kq, vq, k_nan, v_nan = case(mx.float16, D, 4, 1, 64, bits, seed=bits, Dv=Dv)
             out = mbd.quantized_batched_decode_attention(q, k_nan, v_nan, mx.array(LENGTHS), bits=bits)
             check(out, expected(q, kq, vq, LENGTHS, 64, bits), mx.float16)
     finally:
@@ -299,6 +339,20 @@ def test_head_dim_must_divide_into_groups():
     with pytest.raises(ValueError, match="head dim 96 is not supported with group_size 64"):
         mbd.quantized_batched_decode_attention(mx.zeros((1, 1, 1, 96), mx.float16), kq, kq, mx.array([4]),
                                                bits=4, group_size=64)
+
+
+@pytest.mark.parametrize("D,Dv,group_size,message", [
+    (128, 96, 64, "the values' head dim 96 is not supported with group_size 64"),
+    (128, 544, 32, "the values' head dim 544 is not supported with group_size 32; multiples of group_size up to 512"),
+    (608, 512, 32, "the keys' head dim 608 is not supported with group_size 32; multiples of group_size up to 576"),
+])
+def test_head_dims_out_of_range_raise(D, Dv, group_size, message, kernel_calls):
+    k = mx.quantize(mx.zeros((1, 1, 4, D)), group_size=group_size, bits=8)
+    v = mx.quantize(mx.zeros((1, 1, 4, Dv)), group_size=32, bits=8)
+    with pytest.raises(ValueError, match=r"^\[quantized_batched_decode_attention\] " + message):
+        mbd.quantized_batched_decode_attention(mx.zeros((1, 1, 1, D)), k, v, mx.array([4]),
+                                               bits=8, group_size=group_size)
+    assert kernel_calls() == 0
 
 
 def test_gpu_stream_without_metal_is_rejected():

@@ -149,11 +149,3 @@ def test_head_dims_out_of_range_raise(message, keys_dim, values_dim, kernel_call
     with pytest.raises(ValueError, match=rf"^\[batched_decode_attention\] {message}"):
         mbd.batched_decode_attention(q, mx.zeros((2, 1, 4, keys_dim)), mx.zeros((2, 1, 4, values_dim)), mx.array([4, 4]))
     assert kernel_calls() == 0
-
-
-def test_quantized_values_keep_the_keys_head_dim(kernel_calls):
-    k = mx.quantize(mx.zeros((2, 1, 8, 128)), group_size=64, bits=8)
-    v = mx.quantize(mx.zeros((2, 1, 8, 64)), group_size=64, bits=8)
-    with pytest.raises(ValueError, match=r"^\[quantized_batched_decode_attention\] values"):
-        mbd.quantized_batched_decode_attention(mx.zeros((2, 2, 1, 128)), k, v, mx.array([8, 8]), group_size=64, bits=8)
-    assert kernel_calls() == 0

@@ -1,12 +1,13 @@
 """The quantized Metal kernel (csrc/kernels: BdaQuantizedRows in the one kernel core), compiled
 with g++ by the emulation harness, against float64 attention over the dequantized keys and
-values: dtypes x head dims (fast and generic) x bits x group sizes x scale dtypes, GQA groups, L
-query rows, kv_starts, windows and sinks, both launch paths (single pass and split-K with the
-dense reduce). Every position no query row of a request attends holds all-ones words and NaN
-scales and biases: it must change nothing. Mutations of the quantized row source must fail.
+values: dtypes x head dims (fast, fast pairs of values narrower than keys, generic) x bits x
+group sizes x scale dtypes, GQA groups, L query rows, kv_starts, windows and sinks, both launch
+paths (single pass and split-K with the dense reduce). Every position no query row of a request
+attends holds all-ones words and NaN scales and biases: it must change nothing. Mutations of
+the quantized row source must fail.
 
 Dimensions: B requests, H_q/H_kv query/KV heads, G = H_q / H_kv, L query rows, T positions,
-D head dim.
+D head dim of queries and keys, Dv of values.
 """
 
 from __future__ import annotations
@@ -24,23 +25,35 @@ from tests.metal_emu.sources import kernel_sources
 from tests.metal_emu.build import CACHE
 
 MSL = {"float16": "half", "bfloat16": "bfloat", "float32": "float"}
-# (D, group_size): fast kernels of V = 2 and V = 4, and a generic one (upto256, V = 1).
-DIMS = [(64, 32), (128, 64), (128, 128), (224, 32)]
+# (D, Dv, group_size): fast kernels of V = 2 and V = 4, generic ones (upto256 and, of narrower
+# values, upto128; V = 1), and the fast pairs of DeepSeek-V2 (192, 128) and MLA's latent (576, 512).
+DIMS = [(64, 64, 32), (128, 128, 64), (128, 128, 128), (224, 224, 32), (96, 64, 32), (192, 128, 64),
+        (576, 512, 64)]
+FAST = (32, 64, 96, 128, 160, 192, 256, 512)
+FAST_PAIRS = ((192, 128), (576, 512))
+GENERIC = (32, 64, 128, 256, 512, 576)
 PATHS = {
     "single_pass": dict(t=40, h_kv=2, lens=[0, 1, 40, 23, 47, 9], starts=[0, 3, 10, 40, 5, 2], window=7),
     "split_k": dict(t=140, h_kv=1, lens=[140, 1, 97, 300], starts=[0, 0, 60, -5], window=130),
 }
 
 
+def kernel_kind(d: int, dv: int) -> tuple[str, str]:
+    """The instantiation macro's kind and head dims of (D, Dv), as the .metal file spells them."""
+    if d == dv and d in FAST:
+        return "fast", str(d)
+    if (d, dv) in FAST_PAIRS:
+        return "fast_pair", f"{d}, {dv}"
+    return "generic", str(next(n for n in GENERIC if max(d, dv) <= n))
+
+
 def instantiations(dims) -> str:
-    """MBD_KERNELS of the dense reduce (and main) of every (dtype, D) and the quantized mains of both bits."""
+    """MBD_KERNELS of the dense reduce (and main) of every (dtype, D, Dv) and the quantized mains of both bits."""
     lines = []
     for dtype, msl in MSL.items():
-        for d in sorted({d for d, _ in dims}):
-            kind = "fast" if d in (32, 64, 96, 128, 160, 192, 256, 512) else "generic"
-            n = d if kind == "fast" else 256
-            lines.append(f"instantiate_{kind}({dtype}, {msl}, {n})")
-            lines += [f"instantiate_quantized_{kind}({dtype}, {msl}, {n}, {bits})" for bits in (4, 8)]
+        for kind, dims_text in sorted({kernel_kind(d, dv) for d, dv, _ in dims}):
+            lines.append(f"instantiate_{kind}({dtype}, {msl}, {dims_text})")
+            lines += [f"instantiate_quantized_{kind}({dtype}, {msl}, {dims_text}, {bits})" for bits in (4, 8)]
     return "#define MBD_KERNELS " + " ".join(lines) + "\n"
 
 
@@ -54,8 +67,8 @@ def scale_storage(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def quantized_case(seed, dtype, scales_dtype, d, group_size, bits, g, rows, path, starts, window, sinks,
-                   softcap=None, scale=None):
-    """The call's arguments (``run``'s case) and its float64 output; scale None: 1 / sqrt(D)."""
+                   softcap=None, scale=None, dv=None):
+    """The call's arguments (``run``'s case) and its float64 output; scale None: 1 / sqrt(D); dv None: D."""
     spec = PATHS[path]
     scale = d ** -0.5 if scale is None else scale
     rng = np.random.default_rng(seed)
@@ -67,13 +80,14 @@ def quantized_case(seed, dtype, scales_dtype, d, group_size, bits, g, rows, path
     triples, dequantized = [], []
     unread = np.ones((b, capacity), dtype=bool)
     unread[:, :t] = ~attended(lens, starts, rows, t, window)
-    for _ in range(2):
-        x = mx.array(rng.standard_normal((b, h_kv, capacity, d)).astype(np.float32))
+    for width in (d, d if dv is None else dv):
+        x = mx.array(rng.standard_normal((b, h_kv, capacity, width)).astype(np.float32))
         packed, scales, biases = (np.array(a) for a in mx.quantize(x, group_size=group_size, bits=bits))
         scales, biases = scale_storage(scales, scales_dtype), scale_storage(biases, scales_dtype)
         s64, b64 = to_float64(scales, scales_dtype), to_float64(biases, scales_dtype)
         shifts = np.arange(32 // bits, dtype=np.uint64) * bits
-        ints = ((packed.astype(np.uint64)[..., None] >> shifts) & ((1 << bits) - 1)).reshape(b, h_kv, capacity, d)
+        ints = (packed.astype(np.uint64)[..., None] >> shifts) & ((1 << bits) - 1)
+        ints = ints.reshape(b, h_kv, capacity, width)
         dequantized.append(np.repeat(s64, group_size, -1) * ints + np.repeat(b64, group_size, -1))
         # Positions no row attends: every word all ones, every scale and bias NaN.
         packed.transpose(0, 2, 1, 3)[unread] = 0xFFFFFFFF
@@ -100,18 +114,18 @@ def run(lib, case, dtype, scales_dtype, group_size, bits):
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("d,group_size", DIMS)
+@pytest.mark.parametrize("d,dv,group_size", DIMS)
 @pytest.mark.parametrize("dtype", sorted(MSL))
-def test_matches_float64(lib, dtype, d, group_size, bits, path):
+def test_matches_float64(lib, dtype, d, dv, group_size, bits, path):
     # Options, GQA groups, rows and scale dtypes vary with the case so that each value meets each path.
-    n = DIMS.index((d, group_size)) + 4 * bits + 7 * sorted(MSL).index(dtype)
+    n = DIMS.index((d, dv, group_size)) + 4 * bits + 7 * sorted(MSL).index(dtype)
     scales_dtype = sorted(MSL)[n % 3]
     # (4, 3): 12 rows, two row chunks sharing staged tiles.
     g, rows = [(1, 1), (4, 1), (2, 3), (3, 2), (4, 3)][n % 5]
     case, want = quantized_case(n, dtype, scales_dtype, d, group_size, bits, g, rows, path,
-                                starts=n % 2 == 0, window=n % 3 != 1, sinks=n % 5 < 3)
+                                starts=n % 2 == 0, window=n % 3 != 1, sinks=n % 5 < 3, dv=dv)
     out = to_float64(run(lib, case, dtype, scales_dtype, group_size, bits), dtype)
-    assert not np.isnan(out).any()
+    assert out.shape[-1] == dv and not np.isnan(out).any()
     np.testing.assert_allclose(out, want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -126,7 +140,7 @@ MUTATIONS = {
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_mutations_are_caught(name):
     text = kernel_sources(CACHE / "mutants" / f"quantized_{name}", None, MUTATIONS[name])
-    mutant = EmulatedLibrary(build_library(instantiations([(128, 64)]) + text))
+    mutant = EmulatedLibrary(build_library(instantiations([(128, 128, 64)]) + text))
     case, want = quantized_case(1, "float32", "float32", 128, 64, 8, 2, 1, "single_pass", True, False, False)
     out = to_float64(run(mutant, case, "float32", "float32", 64, 8), "float32")
     assert not np.allclose(out, want, atol=TOLERANCE["float32"], rtol=TOLERANCE["float32"])

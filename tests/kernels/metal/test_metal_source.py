@@ -81,7 +81,7 @@ def test_source_is_ascii_and_self_contained():
     assert "mlx/backend/metal" not in text
 
 
-def test_source_instantiates_every_planned_kernel(planned, planned_pairs, tmp_path):
+def test_source_instantiates_every_planned_kernel(lib, planned, planned_pairs, tmp_path):
     names = host_names(mbd.metal_source(), tmp_path)
     quantized = {n for n in names if n.startswith("quantized_")}
     ragged = {n for n in names if n.startswith("ragged_")}
@@ -93,12 +93,13 @@ def test_source_instantiates_every_planned_kernel(planned, planned_pairs, tmp_pa
         "192_v128", "576_v512", "upto576"}
     # The ragged main kernel of every dense one (csrc/metal/ragged_launch_plan.h's ragged_kernel_name).
     assert ragged == {main.replace("batched_decode_attention_", "ragged_decode_attention_") for main, _ in plans}
-    # The quantized main kernels of every head dim a group size divides (multiples of 32),
-    # named as csrc/metal/quantized_launch_plan.h's quantized_kernel_name; their reduce is the dense one.
-    fast = {32, 64, 96, 128, 160, 192, 256, 512}
-    assert quantized == {
-        f"quantized_batched_decode_attention_{dtype}_{d if d in fast else f'upto{256 if d <= 256 else 512}'}_{bits}bit"
-        for dtype in ("float16", "bfloat16", "float32") for d in range(32, 513, 32) for bits in (4, 8)}
+    # The quantized main kernels of every (D, Dv) a group size divides (multiples of 32), named as
+    # csrc/metal/quantized_launch_plan.h's quantized_kernel_name; their reduce is the dense one.
+    suffixes = {lib.plan(1, 1, 1, 4096, d, dtype, dv=dv)["kernel"].removeprefix("batched_decode_attention_")
+                for dtype in DTYPES for d in range(32, 577, 32) for dv in range(32, 513, 32)}
+    assert quantized == {f"quantized_batched_decode_attention_{suffix}_{bits}bit"
+                         for suffix in suffixes for bits in (4, 8)}
+    assert {"float16_576_v512", "bfloat16_192_v128", "float32_upto576", "float16_upto128"} <= suffixes
 
 
 def test_harness_compiles_and_runs_this_text(lib):
@@ -157,6 +158,25 @@ def test_ragged_run_time_libraries(lib, planned, tmp_path):
         assert host_names(source, tmp_path) == {ragged, kernel, reduce}
         suffix = kernel.removeprefix("batched_decode_attention_")
         assert lib.library_name(digest, dtype, d, ragged=True) == f"mlx_batched_decode_{digest}_ragged_{suffix}"
+
+
+def test_quantized_run_time_libraries(lib, tmp_path):
+    """The quantized library of a dtype, head dims and bits (C++ quantized_library_source): its
+    main kernel, the dense pair (for the reduce), under a name of its own; values narrower than
+    keys included (DeepSeek-V2's 192 / 128, MLA's latent 576 / 512, MiniCPM3's 96 / 64)."""
+    text = mbd.metal_source()
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    for dtype, d, dv, bits in (("float16", 128, 128, 8), ("bfloat16", 576, 512, 4), ("float32", 192, 128, 8),
+                               ("float16", 96, 64, 4), ("bfloat16", 224, 224, 8)):
+        plan = lib.plan(1, 1, 1, 4096, d, dtype, dv=dv)
+        kernel, reduce = plan["kernel"], plan["reduce_kernel"]
+        suffix = kernel.removeprefix("batched_decode_attention_")
+        quantized = f"quantized_batched_decode_attention_{suffix}_{bits}bit"
+        source = lib.library_source(text, dtype, d, dv=dv, bits=bits)
+        assert source == library_source(text, [quantized])
+        assert host_names(source, tmp_path) == {quantized, kernel, reduce}
+        assert lib.library_name(digest, dtype, d, dv=dv, bits=bits) == \
+            f"mlx_batched_decode_{digest}_quantized_{suffix}_{bits}bit"
 
 
 def test_run_time_library_runs(lib):

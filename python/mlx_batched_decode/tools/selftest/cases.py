@@ -36,7 +36,7 @@ class Variant:
     """What a case adds to plain one-row decode: L rows, a window, sinks, kv_starts, a ring, a
     softcap (scores c * tanh(s / c); 1.0 caps most scores of unit-normal inputs), packed rows
     (query_starts: request i brings its own count of up to ``rows + 1`` rows, 0 included) and
-    narrow values (a head dim of their own, D // 2 + 8)."""
+    narrow values (a head dim of their own, ``Case.value_dim``)."""
 
     rows: int = 1
     window: int | None = None
@@ -86,15 +86,21 @@ class Case:
         parts += ["ring"] if v.ring else []
         parts += [f"softcap={v.softcap:g}"] if v.softcap else []
         parts += ["packed"] if v.packed else []
-        parts += [f"Dv={value_dim(self.head_dim)}"] if v.narrow_values else []
+        parts += [f"Dv={self.value_dim}"] if v.narrow_values else []
         parts += [f"block={self.block_size}"] if self.op == "paged" else []
         parts += [f"bits={self.bits} gs={self.group_size}"] if self.op == "quantized" else []
         return " ".join(parts + ["lens=" + ",".join(map(str, self.lens))])
 
-
-def value_dim(head_dim: int) -> int:
-    """The head dim of a narrow-values case's values."""
-    return head_dim // 2 + 8
+    @property
+    def value_dim(self) -> int:
+        """The values' head dim: D, or with narrow values D // 2 + 8 (for the quantized op
+        rounded down to a multiple of its group size, a group at least)."""
+        if not self.variant.narrow_values:
+            return self.head_dim
+        dv = self.head_dim // 2 + 8
+        if self.op == "quantized":
+            return max(dv // self.group_size, 1) * self.group_size
+        return dv
 
 
 def row_counts(variant: Variant, requests: int) -> list[int]:
@@ -106,12 +112,13 @@ def row_counts(variant: Variant, requests: int) -> list[int]:
 
 
 def fit(op: str, variant: Variant) -> Variant:
-    """The variant as ``op`` takes it: only the dense op has a ring, the paged op no kv_starts,
-    the quantized op no narrow values."""
+    """The variant as ``op`` takes it: only the dense op has a ring, the paged op no kv_starts."""
     ring = variant.ring and op == "dense"
     starts = variant.starts and op != "paged"
-    narrow = variant.narrow_values and op != "quantized"
-    return Variant(variant.rows, variant.window, variant.sinks, starts, ring, variant.softcap, variant.packed, narrow)
+    return Variant(
+        variant.rows, variant.window, variant.sinks, starts, ring, variant.softcap, variant.packed,
+        variant.narrow_values,
+    )
 
 
 def grid(quick: bool, ops: tuple[str, ...] = OPS) -> list[Case]:

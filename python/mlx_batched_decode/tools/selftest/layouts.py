@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ... import ops
-from .cases import Case, row_counts, value_dim
+from .cases import Case, row_counts
 
 
 @dataclass
@@ -57,7 +57,7 @@ def _draw(case: Case, t: int):
     unmasked; ``options`` holds kv_starts, window, sinks, softcap and query_starts as set."""
     b, v = len(case.lens), case.variant
     h_q, d = case.kv_heads * case.group, case.head_dim
-    dv = value_dim(d) if v.narrow_values else d
+    dv = case.value_dim
     kq, kk, kv, ks = mx.random.split(mx.random.key(case.seed), 4)
     rows = row_counts(v, b)
     q_shape = (sum(rows), h_q, d) if v.packed else (b, h_q, v.rows, d)
