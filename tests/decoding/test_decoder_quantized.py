@@ -17,13 +17,10 @@ pytest.importorskip("mlx_lm")
 
 import mlx_batched_decode  # noqa: E402
 from mlx_batched_decode import _ext  # noqa: E402
-from mlx_batched_decode.attention.ring import RingSlotAttention  # noqa: E402
-from mlx_batched_decode.attention.slot import SlotAttention, attend_first_chunks  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
-from mlx_batched_decode.caches.kv_cache import SlotKVCache  # noqa: E402
-from mlx_batched_decode.caches.ring_kv_cache import RingSlotKVCache  # noqa: E402
 from mlx_batched_decode.caches.quantized_kv_cache import QuantizedSlotKVCache  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
+from tests.support.dequantized_decoder import dequantized_reference  # noqa: E402
 from tests.support.mlx_lm_models import mlx_lm_greedy, random_prompts  # noqa: E402
 from tests.decoding.test_decoder import FAMILIES  # noqa: E402
 from tests.decoding.test_decoder_windows import FAMILIES as WINDOW_FAMILIES  # noqa: E402
@@ -93,45 +90,6 @@ def test_float16_models_keep_float16_scales_and_mostly_match_mlx_lm(bits):
     assert same >= 22, same
 
 
-def _dequantized_reference(model, prompts, budgets, bits, group_size, monkeypatch):
-    """The dense slot decoder with every key/value it writes replaced by
-    ``mx.dequantize(mx.quantize(.))``, a prompt's first chunk attending its own keys/values
-    unrounded as over a quantized cache: plain MLX and the dense op, no quantized kernel."""
-
-    def rounded(x):
-        triple = mx.quantize(x, group_size=group_size, bits=bits)
-        return mx.dequantize(*triple, group_size=group_size, bits=bits)
-
-    with monkeypatch.context() as patch:
-        # Full-attention layers' slot caches and sliding-window layers' rings alike.
-        for cache_class in (SlotKVCache, RingSlotKVCache):
-            real_update, real_write = cache_class.update, cache_class.write_prompt
-            patch.setattr(
-                cache_class,
-                "update",
-                lambda c, k, v, ctx, real=real_update: real(c, rounded(k), rounded(v), ctx),
-            )
-            patch.setattr(
-                cache_class,
-                "write_prompt",
-                lambda c, slot, k, v, real=real_write: real(c, slot, rounded(k), rounded(v)),
-            )
-        for attention_class in (SlotAttention, RingSlotAttention):
-            real_attend = attention_class.attend
-            patch.setattr(
-                attention_class,
-                "attend",
-                lambda a, ctx, q, k, v, *, new_keys_values=None, real=real_attend, **options: (
-                    attend_first_chunks(real(a, ctx, q, k, v, **options), ctx, q, new_keys_values,
-                                        options)
-                ),
-            )
-        # Chunks of the window (16): the dense decoder's rings take no more, so both decoders
-        # cut the prompts alike.
-        decoder = BatchedDecoder(model, kv_step=16, max_step_tokens=16)
-        return decoder.generate(prompts, budgets, max_batch_size=3)
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text", "llama"])
 def test_windows_and_sinks_match_the_dequantized_dense_decoder(family, bits, monkeypatch):
@@ -143,7 +101,7 @@ def test_windows_and_sinks_match_the_dequantized_dense_decoder(family, bits, mon
     prompts = random_prompts(lens)
     decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits, kv_group_size=32, max_step_tokens=16)
     out = decoder.generate(prompts, budgets, max_batch_size=3)
-    assert out == _dequantized_reference(model, prompts, budgets, bits, 32, monkeypatch)
+    assert out == dequantized_reference(model, prompts, budgets, bits, 32, monkeypatch)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -153,7 +111,7 @@ def test_4bit_and_8bit_match_the_dequantized_dense_decoder(models, bits, monkeyp
     prompts, budgets = random_prompts([1, 7, 30]), [12, 12, 12]
     decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits, max_step_tokens=16)
     out = decoder.generate(prompts, budgets, max_batch_size=3)
-    assert out == _dequantized_reference(model, prompts, budgets, bits, 64, monkeypatch)
+    assert out == dequantized_reference(model, prompts, budgets, bits, 64, monkeypatch)
 
 
 @pytest.mark.parametrize("num_draft_tokens", [1, 3])

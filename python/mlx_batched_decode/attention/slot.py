@@ -10,13 +10,20 @@ Shapes use the dimension legend of the package docstring (``mlx_batched_decode.a
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 
 import mlx_batched_decode
 
 from ..caches.context import BatchedDecodeContext
 from ..caches.kv_cache import SlotKVCache
-from ..caches.quantized_kv_cache import QuantizedSlotKVCache, Triple, check_quantization
+from ..caches.quantized_kv_cache import (
+    QuantizedSlotKVCache,
+    Triple,
+    check_quantization,
+    latent_values,
+)
 from .base import AttendOptions, DecodeAttention
 
 
@@ -52,10 +59,10 @@ class QuantizedSlotAttention(DecodeAttention):
         self.bits = bits
 
     def update(
-        self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: mx.array
-    ) -> tuple[Triple, Triple]:
+        self, context: BatchedDecodeContext, layer: int, keys: mx.array, values: Optional[mx.array]
+    ) -> tuple[Triple, Optional[Triple]]:
         """Quantize and write the new ``[B, H_kv, L, D]`` keys/values; return the triples of
-        ``[B, H_kv, max_len, *]`` views."""
+        ``[B, H_kv, max_len, *]`` views (``values=None``: keys only, ``None`` for the values)."""
         cache = context.layer_caches[layer]
         if not (
             isinstance(cache, QuantizedSlotKVCache)
@@ -74,8 +81,14 @@ class QuantizedSlotAttention(DecodeAttention):
         out = super().attend(context, queries, keys, values, **options)
         return attend_first_chunks(out, context, queries, new_keys_values, options)
 
+    def attend_latent(self, context, queries, keys, latent_dim, **options):
+        """As ``DecodeAttention.attend_latent`` over the quantized rows ``update`` returned for
+        ``values=None``: the values are the views of their first ``latent_dim`` columns."""
+        values = latent_values(keys, latent_dim, self.group_size, self.bits)
+        return self.attend(context, queries, keys, values, **options)
+
     def _attend(self, context, queries, keys, values, options: AttendOptions) -> mx.array:
-        """``queries [B, H_q, L, D]`` over the triples from ``update`` -> ``[B, H_q, L, D]``."""
+        """``queries [B, H_q, L, D]`` over the triples from ``update`` -> ``[B, H_q, L, Dv]``."""
         return mlx_batched_decode.quantized_batched_decode_attention(
             queries,
             keys,
@@ -88,9 +101,10 @@ class QuantizedSlotAttention(DecodeAttention):
 
 
 def attend_first_chunks(out, context, queries, new_keys_values, options) -> mx.array:
-    """``out [N, H_q, 1, D]`` with the rows of each of ``context.first_chunk_rows`` replaced by
-    their attention over their own new keys/values ``[N, H_kv, 1, D]`` with the dense op (rows
-    ``start .. end - 1`` are one request's first positions, causal among themselves)."""
+    """``out [N, H_q, 1, Dv]`` with the rows of each of ``context.first_chunk_rows`` replaced by
+    their attention over their own new keys ``[N, H_kv, 1, D]`` and values ``[N, H_kv, 1, Dv]``
+    with the dense op (rows ``start .. end - 1`` are one request's first positions, causal among
+    themselves)."""
     if new_keys_values is None:
         return out
     new_keys, new_values = new_keys_values

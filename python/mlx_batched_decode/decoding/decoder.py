@@ -109,7 +109,8 @@ class BatchedDecoder:
             (default) keeps them in the model's dtype. Needs ``attention="slot"`` and
             ``kv_layout="slot"``.
         kv_group_size: elements per quantization group (32, 64 or 128; it must divide the head
-            dims), with ``kv_bits``.
+            dims of keys and values, for MLA the latent's and the latent + rope rows'), with
+            ``kv_bits``.
         max_step_tokens: the tokens of a step (>= 1): every running request's decode tokens
             (they always run, past it too), then chunks of the prompts being fed, first come
             first served; where rings keep windowed layers, a request's chunk is at most the

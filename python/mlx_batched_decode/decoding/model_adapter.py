@@ -101,6 +101,8 @@ class StepLayerCache:
                 f"{spec.latent_dim} and {spec.rope_dim}"
             )
         keys = mx.concatenate([latent, rope_keys.astype(latent.dtype)], axis=-1)
+        # As update_and_fetch keeps them: the rows and their latent, the values.
+        self.new_keys_values = (keys, latent)
         self.latent_keys, _ = self.attention.update(self.context, self.layer, keys, None)
         return self.latent_keys, rope_identity(spec.rope_dim, latent.dtype)
 
@@ -161,7 +163,8 @@ class StepLayerCache:
             )
         queries = latent_queries(self.latent, queries, rope_scores, scale)
         return self.attention.attend_latent(
-            self.context, queries, keys, self.latent.latent_dim, scale=1.0, window=self.window
+            self.context, queries, keys, self.latent.latent_dim, scale=1.0, window=self.window,
+            new_keys_values=self.new_keys_values,
         )
 
 

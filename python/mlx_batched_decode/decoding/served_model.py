@@ -55,8 +55,8 @@ class ServedModel:
     Raises ``ValueError`` for models it cannot serve: attention that does not go through
     mlx-lm's ``scaled_dot_product_attention`` (nor has a step forward pass of its own), layers
     whose cache is neither ``KVCache`` nor a plain ``RotatingKVCache``, a head dim that
-    ``kv_group_size`` does not divide, or multi-head latent attention on the seed path or with
-    ``kv_bits`` (the quantized op reads keys of at most 512 columns and values as wide as them).
+    ``kv_group_size`` does not divide (of keys, values, or an MLA layer's ``r + R`` rows and
+    ``r`` latent), or multi-head latent attention on the seed path.
     """
 
     def __init__(
@@ -76,11 +76,10 @@ class ServedModel:
         self.windows = layer_windows(model)
         self.num_layers = len(self.windows)
         self.latents = latent_specs(model)
-        if any(self.latents) and (kv_bits is not None or attention != "slot"):
+        if any(self.latents) and attention != "slot":
             raise ValueError(
                 f"[BatchedDecoder] {type(model).__name__}'s multi-head latent attention decodes "
-                "on the slot path without kv_bits (or kv_layout='paged'), not "
-                + ("with kv_bits" if kv_bits is not None else f"attention={attention!r}")
+                f"on the slot path (or kv_layout='paged'), not attention={attention!r}"
             )
         self.slot_caches: Optional[list[SlotCache]] = None
         # Distinct ring sizes, each derived once per step by the context.
@@ -116,16 +115,14 @@ class ServedModel:
         return self._one_token()[0].shape[-1]
 
     def _check_group_size(self) -> None:
-        """ValueError unless every layer's keys and values have one head dim (the quantized
-        op's layout) that ``kv_group_size`` divides, measured with one token through mlx-lm's
-        own caches."""
-        for layer, cache in enumerate(self._one_token()[1]):
-            if cache.keys.shape[-1] != cache.values.shape[-1]:
-                raise ValueError(
-                    f"[BatchedDecoder] kv_bits needs keys and values of one head dim; layer "
-                    f"{layer}'s are {cache.keys.shape[-1]} and {cache.values.shape[-1]}"
-                )
-            for name, dim in (("key", cache.keys.shape[-1]), ("value", cache.values.shape[-1])):
+        """ValueError unless ``kv_group_size`` divides every layer's key and value head dims
+        as the quantized cache keeps them (an MLA layer's ``r + R`` rows, whose values are
+        their first ``r`` columns), measured with one token through mlx-lm's own caches."""
+        for layer, (cache, latent) in enumerate(zip(self._one_token()[1], self.latents)):
+            dims = (cache.keys.shape[-1], cache.values.shape[-1])
+            if latent is not None:
+                dims = (latent.key_dim, latent.latent_dim)
+            for name, dim in zip(("key", "value"), dims):
                 if dim % self.kv_group_size:
                     raise ValueError(
                         f"[BatchedDecoder] kv_group_size {self.kv_group_size} does not divide "
@@ -150,7 +147,9 @@ class ServedModel:
         written = self.slot_caches if self.slot_caches is not None else self.seed_rows[row]
         for cache, latent, (keys, values) in zip(written, self.latents, layers_kv):
             if latent is not None:
-                cache.write_prompt(row, mx.concatenate([keys, values], axis=-1), None)
+                rows = mx.concatenate([keys, values], axis=-1)
+                quantized = isinstance(cache, QuantizedSlotKVCache)
+                cache.write_prompt(row, cache.quantize(rows) if quantized else rows, None)
             elif isinstance(cache, QuantizedSlotKVCache):
                 cache.write_prompt(row, cache.quantize(keys), cache.quantize(values))
             elif isinstance(cache, ContiguousKVCache):
