@@ -532,7 +532,8 @@ template <typename T>
 inline constexpr bool kScoresOnIntegers = kIntegerScores && !std::is_same_v<T, float>;
 
 // The quantized row source's per-thread scratch: a block's packed rows
-// gathered from a strided last axis, the scales and biases of its
+// gathered from a strided last axis, its rows dequantized [kBlock, Dp]
+// (dequantize_block), the scales and biases of its
 // keys and values as float32, group-major [4][groups, kBlock] (key scales, key
 // biases, value scales, value biases; groups of the wider side, scratch_groups), the query rows' sums per group
 // [R, groups], for integer scores their int16 words [R, Dp] and scales
@@ -541,6 +542,7 @@ inline constexpr bool kScoresOnIntegers = kIntegerScores && !std::is_same_v<T, f
 // scales [R, groups, kBlock] and weighted value biases [R, groups].
 struct QuantizedScratch {
   LineVector<uint32_t> words;
+  LineVector<float> rows;
   LineVector<float> sb;
   LineVector<float> qsum;
   LineVector<int16_t> qwords;
@@ -551,6 +553,7 @@ struct QuantizedScratch {
 
   void reserve(int R, int words_per_row, int groups, int Dp) {
     Scratch<float>::grow(words, static_cast<size_t>(kBlock) * words_per_row);
+    Scratch<float>::grow(rows, static_cast<size_t>(kBlock) * Dp);
     Scratch<float>::grow(sb, static_cast<size_t>(4) * groups * kBlock);
     Scratch<float>::grow(qsum, static_cast<size_t>(R) * groups);
     Scratch<float>::grow(qwords, static_cast<size_t>(R) * Dp);
@@ -684,6 +687,44 @@ inline void prefetch_packed_row(const uint32_t* row, int j, int words, Lookahead
   }
 }
 
+// Work items of at least kDequantizeRows query rows (GQA groups times L, or
+// MLA's 128 heads on one KV head) read each block's rows dequantized once into
+// float32 (dequantize_block) by the float kernels, the integers widened once
+// per block rather than once per tile of query rows. Measured on AVX2 at head
+// dims 128 and 512: faster from 16 rows at 8 bits, from 8 at 4 bits (whose
+// widening costs more), slower below.
+template <int Bits>
+inline constexpr int kDequantizeRows = Bits == 8 ? 16 : 8;
+
+// The packed rows [t, t + n) of (b, h) of the keys (side 0) or values (side
+// 1) dequantized into s.rows [kBlock, width] (width: the side's Dp or Dvp, a
+// multiple of group_size), rows pointing at them; rows n to the next multiple
+// of 8 repeat row n - 1, as load_block pads.
+template <int Bits>
+void dequantize_block(const DecodeArgs& a, int side, int b, int h, int t, int n, int end, QuantizedScratch& s,
+                      int width, const float** rows) {
+  const uint32_t* packed[kBlock];
+  const Lookahead ahead = load_quantized_block<Bits>(a, side, b, h, t, n, end, s, packed);
+  const int group_size = a.quant.group_size, stride = scratch_groups(a) * kBlock;
+  const int words = (side ? a.Dv : a.D) * Bits / 32;
+  const float* scales = s.sb.data() + 2 * side * stride;
+  const float* biases = scales + stride;
+  for (int j = 0; j < n; ++j) {
+    prefetch_packed_row(packed[j], j, words, ahead);
+    float* row = s.rows.data() + static_cast<int64_t>(j) * width;
+    for (int g = 0; g < width / group_size; ++g) {
+      const qvec scale = qsplat(scales[g * kBlock + j]), bias = qsplat(biases[g * kBlock + j]);
+      for (int i = g * group_size; i < (g + 1) * group_size; i += kLanes) {
+        qstore(row + i, widen<Bits>(packed[j], i) * scale + bias);
+      }
+    }
+    rows[j] = row;
+  }
+  for (int j = n; j % 8 != 0; ++j) {
+    rows[j] = rows[n - 1];
+  }
+}
+
 // Scores of the R query rows (scaled float32 qs [R, Dp], group sums qsum;
 // Integer: s.qwords and s.qscale) against the packed keys [t, t + n) of (b, h).
 template <int Bits, int D, bool Integer>
@@ -782,6 +823,50 @@ void accumulate_quantized_block(const DecodeArgs& a, int b, int h, int t, int n,
   } else {
     tiles.template operator()<false>();
   }
+}
+
+// score_quantized_block on the block's keys dequantized once (dequantize_block,
+// kDequantizeRows): the float kernels' tiles, keys-major where wide (kt: the
+// transposed keys' scratch [Dp, kBlock]).
+template <int Bits, int D>
+void score_dequantized_block(const DecodeArgs& a, const float* qs, int b, int h, int t, int n, int end, bool wide,
+                             float* scores, float* kt, QuantizedScratch& s) {
+  const int Dp = D ? D : a.Dp, R = a.rows();
+  const float* rows[kBlock];
+  dequantize_block<Bits>(a, 0, b, h, t, n, end, s, Dp, rows);
+  if (kKeysMajor && wide) {
+    transpose_keys<D, kBlock>(rows, n, Dp, kt, Lookahead{});
+    for_row_tiles<6>(0, R, [&]<int H>(int r) {
+      for (int j = 0; j < n; j += 16) {
+        dot_keys_major<D, H>(qs + r * Dp, kt + j, kBlock, scores + r * kBlock + j, kBlock, Dp);
+      }
+    });
+    return;
+  }
+  for (int j = 0; j < n; j += 4) {
+    for_row_tiles<kScoreRows>(0, R, [&]<int H>(int r) {
+      dot_4_rows<VectorLanes, D, H>(qs + r * Dp, rows + j, scores + r * kBlock + j, kBlock, Dp);
+    });
+  }
+}
+
+// accumulate_quantized_block on the block's values dequantized once, in the
+// float kernels' tiles: of 6 rows on AVX2, as its wide dense blocks (a value
+// row loaded once per 6 query rows), else of 4.
+template <int Bits, int D>
+void accumulate_dequantized_block(const DecodeArgs& a, int b, int h, int t, int n, int end, const float* w,
+                                  const float* alpha, const uint32_t* masks, bool masked, float* acc,
+                                  QuantizedScratch& s) {
+  const int Dvp = D ? D : a.Dvp;
+  const float* rows[kBlock];
+  dequantize_block<Bits>(a, 1, b, h, t, n, end, s, Dvp, rows);
+  auto tiles = [&]<bool Masked>() {
+    for_row_tiles<kKeysMajor ? 6 : 4>(0, a.rows(), [&]<int H>(int r) {
+      accumulate_rows<VectorLanes, D, H, Masked>(acc + r * Dvp, alpha + r, w + r * kBlock, kBlock, rows, n, Dvp,
+                                                 masks + r);
+    });
+  };
+  masked ? tiles.template operator()<true>() : tiles.template operator()<false>();
 }
 
 // One KV head of a work item: where its key and value rows live, its
@@ -903,7 +988,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
   QuantizedScratch& quantized = tls_quantized;
   if constexpr (Bits != 0) {
     const int groups = a.quant.groups(a.D);
-    quantized.reserve(R, std::max(a.D, a.Dv) * Bits / 32, scratch_groups(a), Dp);
+    quantized.reserve(R, std::max(a.D, a.Dv) * Bits / 32, scratch_groups(a), std::max(Dp, Dvp));
     // Scaled float32 queries and their sums per group, the second term of q . k.
     load_queries<T, D, false>(a, c, passes[0].qs, nullptr);
     passes[0].vector_queries = true;
@@ -1023,7 +1108,11 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
       // Each key row is read once and scored against the rows it reaches, two at
       // a time (four with the bfloat16 dot product), or keys-major (wide).
       if constexpr (Bits != 0) {
-        score_quantized_block<Bits, D, kScoresOnIntegers<T>>(a, qs, c.b, c.h, t, n, t1, scores, quantized);
+        if (R >= kDequantizeRows<Bits>) {
+          score_dequantized_block<Bits, D>(a, qs, c.b, c.h, t, n, t1, wide, scores, s.keys_t.data(), quantized);
+        } else {
+          score_quantized_block<Bits, D, kScoresOnIntegers<T>>(a, qs, c.b, c.h, t, n, t1, scores, quantized);
+        }
       } else {
         const int first_row = n_spans > 0 ? spans[0].lo : 0;
         if constexpr (kKeysMajor) {
@@ -1083,7 +1172,12 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
       }
 
       if constexpr (Bits != 0) {
-        accumulate_quantized_block<Bits, D>(a, c.b, c.h, t, n, t1, scores, alpha, masks, masked, st.acc, quantized);
+        if (R >= kDequantizeRows<Bits>) {
+          accumulate_dequantized_block<Bits, D>(a, c.b, c.h, t, n, t1, scores, alpha, masks, masked, st.acc,
+                                                quantized);
+        } else {
+          accumulate_quantized_block<Bits, D>(a, c.b, c.h, t, n, t1, scores, alpha, masks, masked, st.acc, quantized);
+        }
         continue;
       }
       // Value rows in tiles of up to four query rows, each row chunk loaded once per tile.

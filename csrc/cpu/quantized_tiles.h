@@ -2,7 +2,8 @@
 // format: per group of g elements a scale s and a bias b, element = s * w + b
 // for its unsigned integer w): scores against the integers directly and the
 // weighted sum of value rows. The integers are widened to float32 in
-// registers; no row is dequantized to memory.
+// registers; no row is dequantized to memory (but for work items of many
+// query rows: decode_kernel.cpp's dequantize_block).
 //
 // Generic vector code: with 8 lanes where AVX-512 is missing, else 16; and
 // with AVX2 or AVX512-VNNI, scores of 16-bit queries on int16 words

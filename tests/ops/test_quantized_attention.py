@@ -138,6 +138,41 @@ def test_values_of_their_own_head_dim(dtype, D, Dv, group_size, bits, kernel_cal
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("D,Dv,G,L", [(128, 128, 8, 3), (64, 64, 16, 1), (192, 128, 4, 5), (96, 64, 32, 1)])
+def test_many_query_rows_read_each_block_dequantized_once(dtype, D, Dv, G, L, bits, kernel_calls):
+    """Work items of 16 query rows or more (8 at 4 bits) read each block's rows dequantized once
+    (the CPU kernel's dequantize_block): windows, starts, sinks and NaN in unread positions."""
+    starts = [0, 0, 12, 30, 60, 5]
+    sinks = mx.array(np.random.default_rng(G).standard_normal(2 * G).astype(np.float32))
+    for n, (kv_starts, window, sink) in enumerate([(None, None, None), (starts, 9, sinks), (starts, 40, None)]):
+        q, kq, vq, k_nan, v_nan = case(dtype, D, G, L, 32, bits, starts=kv_starts, window=window,
+                                       seed=n + D, Dv=Dv)
+        out = mbd.quantized_batched_decode_attention(
+            q, k_nan, v_nan, mx.array(LENGTHS), group_size=32, bits=bits,
+            kv_starts=None if kv_starts is None else mx.array(kv_starts), window=window, sinks=sink)
+        check(out, expected(q, kq, vq, LENGTHS, 32, bits, kv_starts, window, sink), dtype)
+    assert kernel_calls() == 3
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("G", [2, 16])
+def test_a_value_only_some_rows_read_stays_out_of_the_others(G, bits):
+    """L = 3 rows in a window of 4 over 20 keys: position 14 is row 0's alone. An infinite
+    value scale there (row 0's output is then not finite) must leave rows 1 and 2 as they are
+    without it, on the per-tile loops (G = 2) and on blocks dequantized once (G = 16)."""
+    q, kq, vq, _, _ = case(mx.float32, 64, G, 3, 32, bits, lens=[20], t=20, H_kv=1)
+    scales = np.array(vq[1])
+    scales[0, 0, 14] = np.inf
+    broken = (vq[0], mx.array(scales), vq[2])
+    out = mbd.quantized_batched_decode_attention(q, kq, broken, mx.array([20]), group_size=32, bits=bits, window=4)
+    want = expected(q, kq, vq, [20], 32, bits, window=4)
+    out = to_numpy64(out)
+    assert not np.isfinite(out[:, :, 0]).all()
+    np.testing.assert_allclose(out[:, :, 1:], want[:, :, 1:], atol=TOLERANCE[mx.float32], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("bits", [4, 8])
 def test_latent_values_are_a_view_of_the_keys(dtype, bits, kernel_calls):
     """MLA in latent space: one KV head of r + R = 576 columns, 16 query heads, the values the
     keys' first r = 512 columns, their words, scales and biases sliced in place."""
@@ -220,8 +255,9 @@ def test_every_instruction_set(isa):
     previous = mbd._ext.cpu_isa()
     mbd._ext.set_cpu_isa(isa)
     try:
-        for bits, (D, Dv) in itertools.product((4, 8), ((128, 128), (576, 512))):
-            q, kq, vq, k_nan, v_nan = case(mx.float16, D, 4, 1, 64, bits, seed=bits, Dv=Dv)
+        # 4 query rows per item, and 16 (each block dequantized once).
+        for bits, (D, Dv), G in itertools.product((4, 8), ((128, 128), (576, 512)), (4, 16)):
+            q, kq, vq, k_nan, v_nan = case(mx.float16, D, G, 1, 64, bits, seed=bits, Dv=Dv)
             out = mbd.quantized_batched_decode_attention(q, k_nan, v_nan, mx.array(LENGTHS), bits=bits)
             check(out, expected(q, kq, vq, LENGTHS, 64, bits), mx.float16)
     finally:
