@@ -12,6 +12,12 @@ request at the full context, left padded to it as mlx-lm's BatchKVCache batches 
   latent [B, 1, T, 512] and rope keys [B, 1, T, 64]: pe_scores = (q_pe * scale) @ k_pe^T, masked
   to finfo.min with the cache's padding mask, then base.scaled_dot_product_attention(q_nope,
   latent, latent, mask=pe_scores).
+- deepseek-v3 MLA 8-bit: the same rows quantized as BatchedDecoder(kv_bits=8, kv_group_size=64)
+  keeps them (mx.quantize of the 576-wide rows, scales and biases in the dtype): ours is
+  quantized_batched_decode_attention over the triple, values the views of its first 512 columns'
+  words, scales and biases. mlx-lm's quantized cache cannot run MLA, so the peer is its absorbed
+  decode above on the dequantized rows, and "x dense" compares ours with ours on those rows
+  unquantized (timed in the same turns).
 - gemma-2-9b (softcap): 16 query heads, 8 KV heads of 256, scale 256**-0.5, softcap 50. Ours
   reads mlx-lm's left-padded K/V themselves (kv_starts = padding); the peer is gemma2.py's
   Attention manual path (queries * scale reshaped per KV head, @ keys^T, tanh(s / 50) * 50, the
@@ -28,7 +34,8 @@ stay in the cache), the median of --peer-repeats calls after one warm-up (as ben
 a peer call takes seconds, and ours after it starts on sleeping workers).
 
 Per row: ms ours and the peer's, "x peer" (target >= 10x), MB read (the valid rows: ours reads
-sum(lens) x 576 x itemsize for MLA, sum(lens) x H_kv x 256 x 2 x itemsize for gemma), GB/s; the
+sum(lens) x 576 x itemsize for MLA, at 8 bits sum(lens) x (576 + 2 x 9 x itemsize), sum(lens) x
+H_kv x 256 x 2 x itemsize for gemma), GB/s; the
 memory floor (those bytes over the read probe's rate) and the arithmetic floor (multiply-adds over
 the float32 FMA peak of the kernel's vectors: sum(lens) x H_q x (D + Dv), 576 + 512 for MLA),
 each as a share of ours ("of mem", "of fma"); "binds" names the larger floor.
@@ -36,6 +43,7 @@ each as a share of ours ("of mem", "of fma"); "binds" names the larger floor.
     python benchmarks/bench_models.py            # contexts 1024, 2048, 4096; bfloat16, float32 (about 2 minutes)
     python benchmarks/bench_models.py --quick    # contexts 1024, 2048; bfloat16 (under a minute)
     python benchmarks/bench_models.py --dtypes float16   # the peer's float16 matmuls take 4-10 s a call
+    python benchmarks/bench_models.py --families mla-8bit --output bench_models_quantized
 """
 
 import argparse
@@ -94,6 +102,8 @@ class Mla:
         self.latent, self.k_pe = mx.contiguous(first[..., :LATENT]), mx.contiguous(first[..., LATENT:])
         self.q_nope, self.q_pe = mx.contiguous(self.q[..., :LATENT]), mx.contiguous(self.q[..., LATENT:])
         self.mask = padding_mask(lens, T)
+        # The values ours reads of the first layer (MlaQuantized: dequantized in float32).
+        self.exact_rows = first
         mx.eval(self.latent, self.k_pe, self.q_nope, self.q_pe, self.mask)
 
     def ours(self, cache):
@@ -107,10 +117,45 @@ class Mla:
             self.q_nope, self.latent, self.latent, cache=None, scale=MLA_SCALE, mask=pe_scores)
 
     def reference(self):
-        """float64 numpy attention over each request's valid rows of the first layer."""
-        q, cache = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (self.q, self.caches[0]))
+        """float64 numpy attention over each request's valid rows of the first layer (exact_rows)."""
+        q, cache = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (self.q, self.exact_rows))
         return [softmax_attention(q[b, :, 0], cache[b, 0, -n:], cache[b, 0, -n:, :LATENT], MLA_SCALE)
                 for b, n in enumerate(self.lens_np)]
+
+
+class MlaQuantized(Mla):
+    """Mla over its rows quantized (8 bits, groups of 64): the quantized triples per layer for
+    ours, the dense rows kept for "x dense", the peer's latent and rope keys dequantized."""
+
+    family = "deepseek-v3 MLA 8-bit"
+    BITS, GROUP_SIZE = 8, 64
+
+    def __init__(self, lens, T, dtype, rotate=True):
+        super().__init__(lens, T, dtype, rotate)
+        self.dense_caches = self.caches
+        self.caches = [tuple(mx.quantize(c, group_size=self.GROUP_SIZE, bits=self.BITS)) for c in self.caches]
+        # Scales and biases widened first: mx.dequantize rounds its output to their dtype.
+        words, scales, biases = self.caches[0]
+        self.exact_rows = mx.dequantize(words, scales.astype(mx.float32), biases.astype(mx.float32),
+                                        group_size=self.GROUP_SIZE, bits=self.BITS)
+        first = self.exact_rows.astype(dtype)
+        self.latent, self.k_pe = mx.contiguous(first[..., :LATENT]), mx.contiguous(first[..., LATENT:])
+        mx.eval(self.caches, self.exact_rows, self.latent, self.k_pe)
+        itemsize = mx.zeros((), dtype).itemsize
+        groups = (LATENT + ROPE) // self.GROUP_SIZE
+        self.bytes = int(lens.sum()) * ((LATENT + ROPE) * self.BITS // 8 + 2 * groups * itemsize)
+        self.huge = sum(mbd.advise_huge_pages(a) for t in self.caches for a in t) / sum(
+            a.nbytes for t in self.caches for a in t)
+
+    def ours(self, rows):
+        groups = LATENT // self.GROUP_SIZE
+        values = (rows[0][..., :LATENT * self.BITS // 32], rows[1][..., :groups], rows[2][..., :groups])
+        return mbd.quantized_batched_decode_attention(
+            self.q, rows, values, self.T, group_size=self.GROUP_SIZE, bits=self.BITS, scale=MLA_SCALE,
+            kv_starts=self.starts)
+
+    def dense(self, cache):
+        return Mla.ours(self, cache)
 
 
 class Gemma2:
@@ -190,21 +235,29 @@ def measure(family, T, dtype_name, floors, peer_repeats):
     case = family(lens, T, DTYPES[dtype_name])
     diff = max_diff(case.ours(case.caches[0]), case.peer())
     assert diff < TOLERANCE["peer"][dtype_name], f"{family.family} T={T} {dtype_name}: ours and peer differ by {diff}"
-    (seconds,) = floors.timed([lambda: mx.eval([case.ours(c) for c in case.caches])], warmup=2, repeats=9)
+    timed = [lambda: mx.eval([case.ours(c) for c in case.caches])]
+    dense = getattr(case, "dense", None)
+    if dense is not None:
+        timed.append(lambda: mx.eval([dense(c) for c in case.dense_caches]))
+    seconds, *dense_seconds = floors.timed(timed, warmup=2, repeats=9)
     t = seconds / len(case.caches)
     t_peer = median_seconds(lambda: mx.eval(case.peer()), warmup=1, repeats=peer_repeats)
     row = dict(model=family.family, dtype=dtype_name, T=T, lens=f"{lens.min()}-{lens.max()}", ms=t * 1e3,
                peer_ms=t_peer * 1e3, vs_peer=t_peer / t, mb=case.bytes / 1e6, gbs=case.bytes / t / 1e9,
                multiply_adds=case.multiply_adds, diff_vs_peer=diff, layers=len(case.caches), kv_on_huge_pages=case.huge)
+    if dense_seconds:
+        row["vs_dense"] = dense_seconds[0] / len(case.dense_caches) / t
     row.update(floors.columns(t, case.bytes, case.multiply_adds))
     row["frac_mem"] = row["mem_floor_ms"] / row["ms"]
     row["binds"] = "fma" if row["arith_floor_ms"] > row["mem_floor_ms"] else "memory"
     return row
 
 
+FAMILIES = {"mla": Mla, "mla-8bit": MlaQuantized, "gemma2": Gemma2}
 COLUMNS = [
     ("model", "model", "{}"), ("dtype", "dtype", "{}"), ("T", "T", "{}"), ("lens", "lens", "{}"),
     ("ms", "ms ours", "{:.2f}"), ("peer_ms", "ms peer", "{:.1f}"), ("vs_peer", "x peer", "{:.1f}x"),
+    ("vs_dense", "x dense", "{:.2f}x"),
     ("mb", "MB read", "{:.1f}"), ("gbs", "GB/s", "{:.2f}"), ("bw_gbs", "bw GB/s", "{:.1f}"),
     ("mem_floor_ms", "mem floor", "{:.2f}"), ("frac_mem", "of mem", "{:.0%}"), ("fma_gs", "fma G/s", "{:.0f}"),
     ("arith_floor_ms", "fma floor", "{:.2f}"), ("frac_arith", "of fma", "{:.0%}"), ("binds", "binds", "{}"),
@@ -217,6 +270,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="contexts 1024 and 2048, bfloat16 only")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, help="default bfloat16 float32 (--quick: bfloat16)")
     parser.add_argument("--peer-repeats", type=int, default=3, help="timed peer calls per case, median reported")
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, help="default: all")
     parser.add_argument("--output", default="bench_models", help="results/<name>.json")
     args = parser.parse_args()
 
@@ -229,7 +283,7 @@ def main():
 
     contexts = (1024, 2048) if args.quick else (1024, 2048, 4096)
     results = {}
-    for family in (Mla, Gemma2):
+    for family in (FAMILIES[name] for name in args.families or FAMILIES):
         rows = []
         for dtype_name in dtype_names:
             err_ours, err_peer = reference_errors(family, dtype_name)
