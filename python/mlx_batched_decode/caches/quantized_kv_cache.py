@@ -10,9 +10,10 @@ every ``group_size`` consecutive elements of a head's row), one buffer per membe
 so that ``mx.dequantize(packed, scales, biases, group_size, bits)`` gives back the keys; values
 may have a head dim of their own. A cache written with ``values=None`` keeps keys only (a
 multi-head latent attention layer's ``r + R`` rows, whose values are their first ``r`` columns:
-``latent_values``). The layout follows ``SlotKVCache``: request ``b`` of a step owns slot ``b``, a step's new tokens are
-written with one scatter per buffer for the whole batch, and ``quantized_batched_decode_attention``
-reads the strided views ``buffer[:B, :, :max_len]`` in place.
+``latent_values``). The layout follows ``SlotKVCache``: request ``b`` of a step owns slot ``b``,
+a step's new tokens are written with one scatter per buffer for the whole batch, and
+``quantized_batched_decode_attention`` reads the strided views ``buffer[:B, :, :max_len]`` in
+place.
 
 Dimension legend: B = requests in the step, L = new tokens per request in the step,
 H_kv = key/value heads, T = positions, D = head dimension (Dv of values), S = slots.
@@ -56,7 +57,8 @@ class QuantizedSlotKVCache:
 
     ``keys`` and ``values`` are ``(packed, scales, biases)`` tuples of ``[S, H_kv, capacity, *]``
     buffers, ``None`` before the first write (``values`` always, for a cache of keys only); the
-    scales' dtype is that of the keys first written (mx.quantize keeps its input's). Capacity and slot count grow as ``SlotKVCache``'s.
+    scales' dtype is that of the keys first written (mx.quantize keeps its input's). Capacity
+    and slot count grow as ``SlotKVCache``'s.
     """
 
     def __init__(self, group_size: int = 64, bits: int = 8, step: int = 256):

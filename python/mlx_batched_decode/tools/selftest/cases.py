@@ -7,7 +7,7 @@ L query rows per request, T padded length, D head dim.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -113,12 +113,8 @@ def row_counts(variant: Variant, requests: int) -> list[int]:
 
 def fit(op: str, variant: Variant) -> Variant:
     """The variant as ``op`` takes it: only the dense op has a ring, the paged op no kv_starts."""
-    ring = variant.ring and op == "dense"
-    starts = variant.starts and op != "paged"
-    return Variant(
-        variant.rows, variant.window, variant.sinks, starts, ring, variant.softcap, variant.packed,
-        variant.narrow_values,
-    )
+    ring, starts = variant.ring and op == "dense", variant.starts and op != "paged"
+    return replace(variant, ring=ring, starts=starts)
 
 
 def grid(quick: bool, ops: tuple[str, ...] = OPS) -> list[Case]:
