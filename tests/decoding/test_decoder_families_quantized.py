@@ -8,6 +8,7 @@ from the start. mlx-lm's quantized cache cannot run MLA, so MLA is compared with
 over caches that store every row dequantized as its quantized cache would (``RoundedKVCache``),
 and, batched, with the dense decoder fed the dequantized rows (``tests.support.dequantized_decoder``).
 At 4 bits the MLA tokens differ from the unquantized ones, so the comparisons tell the two apart.
+Tokens may part from a reference at a near tie only (``assert_tokens_match``).
 """
 
 import mlx.core as mx
@@ -22,8 +23,11 @@ from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from tests.support.dequantized_decoder import (  # noqa: E402
     RoundedKVCache,
+    assert_tokens_match,
+    dense_top_two,
     dequantized_dense_caches,
     dequantized_reference,
+    mlx_lm_top_two,
 )
 from tests.support.mlx_lm_models import (  # noqa: E402
     DEEPSEEK_V2,
@@ -88,7 +92,11 @@ def test_latent_rows_match_the_dequantized_dense_decoder(models, family, bits, m
     decoder = BatchedDecoder(
         model, kv_step=16, kv_bits=bits, kv_group_size=GROUP_SIZE, max_step_tokens=16
     )
-    assert decoder.generate(prompts, MAX_TOKENS, max_batch_size=3) == want
+    out = decoder.generate(prompts, MAX_TOKENS, max_batch_size=3)
+    assert_tokens_match(
+        out, want, dense_top_two(model, prompts, bits, GROUP_SIZE, monkeypatch, kv_step=16,
+                                 max_step_tokens=16)
+    )
     layers = len(decoder.slot_caches)
     assert len(calls) == decoder.stats.steps * layers
     if mx.default_device() == mx.cpu:
@@ -118,17 +126,19 @@ def test_latent_rows_match_mlx_lm_over_rounded_caches(models, family, bits):
     one-token prompt's token over a cache it has not quantized yet)."""
     model = models[family]
     prompts = random_prompts([2, 7, 30, 13, 21])
+
+    def caches():
+        return [RoundedKVCache(bits, GROUP_SIZE) for _ in model.layers]
+
     want = [
-        mlx_lm_greedy(
-            model, p, n, prefill_step_size=8,
-            prompt_cache=[RoundedKVCache(bits, GROUP_SIZE) for _ in model.layers],
-        )
+        mlx_lm_greedy(model, p, n, prefill_step_size=8, prompt_cache=caches())
         for p, n in zip(prompts, MAX_TOKENS)
     ]
     decoder = BatchedDecoder(
         model, kv_step=16, kv_bits=bits, kv_group_size=GROUP_SIZE, max_step_tokens=8
     )
-    assert decoder.generate(prompts, MAX_TOKENS, max_batch_size=1) == want
+    out = decoder.generate(prompts, MAX_TOKENS, max_batch_size=1)
+    assert_tokens_match(out, want, mlx_lm_top_two(model, prompts, prefill_step_size=8, caches=caches))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -136,15 +146,12 @@ def test_latent_rows_match_mlx_lm_over_rounded_caches(models, family, bits):
 def test_narrower_values_match_mlx_lm(models, family, bits, monkeypatch):
     model = models[family]
     prompts = random_prompts([2, 7, 30, 13, 21])
-    want = [
-        mlx_lm_greedy(
-            model, p, n, kv_bits=bits, kv_group_size=GROUP_SIZE, quantized_kv_start=0
-        )
-        for p, n in zip(prompts, MAX_TOKENS)
-    ]
+    quantized = dict(kv_bits=bits, kv_group_size=GROUP_SIZE, quantized_kv_start=0)
+    want = [mlx_lm_greedy(model, p, n, **quantized) for p, n in zip(prompts, MAX_TOKENS)]
     calls = spy_quantized_op(monkeypatch)
     decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits, kv_group_size=GROUP_SIZE)
-    assert decoder.generate(prompts, MAX_TOKENS, max_batch_size=3) == want
+    out = decoder.generate(prompts, MAX_TOKENS, max_batch_size=3)
+    assert_tokens_match(out, want, mlx_lm_top_two(model, prompts, **quantized))
     assert len(calls) == decoder.stats.steps * len(decoder.slot_caches)
     for _, keys, values, _ in calls:
         assert (keys[0][-1], values[0][-1]) == (64 * bits // 32, 32 * bits // 32)
@@ -169,7 +176,11 @@ def test_prefilled_latent_requests_match_the_dequantized_dense_decoder(models, m
 
     with dequantized_dense_caches(4, GROUP_SIZE, monkeypatch):
         want = run()
-    assert run(kv_bits=4, kv_group_size=GROUP_SIZE) == want
+    # Near ties judged on the prompts whole: the reference's prefill, not the given caches.
+    assert_tokens_match(
+        run(kv_bits=4, kv_group_size=GROUP_SIZE), want,
+        dense_top_two(model, prompts, 4, GROUP_SIZE, monkeypatch, kv_step=16),
+    )
 
 
 def test_latent_rows_at_deepseek_widths():
@@ -181,10 +192,13 @@ def test_latent_rows_at_deepseek_widths():
     )
     model = random_model(config, seed=4)
     prompts, budgets = random_prompts([3, 17, 40]), [6, 6, 6]
+    decoder = BatchedDecoder(model, kv_step=16, kv_bits=8, kv_group_size=64, max_step_tokens=16)
+    out = decoder.generate(prompts, budgets, max_batch_size=3)
     with pytest.MonkeyPatch.context() as monkeypatch:
         want = dequantized_reference(model, prompts, budgets, 8, 64, monkeypatch)
-    decoder = BatchedDecoder(model, kv_step=16, kv_bits=8, kv_group_size=64, max_step_tokens=16)
-    assert decoder.generate(prompts, budgets, max_batch_size=3) == want
+        assert_tokens_match(
+            out, want, dense_top_two(model, prompts, 8, 64, monkeypatch, kv_step=16, max_step_tokens=16)
+        )
     assert [x.shape[-1] for x in decoder.slot_caches[0].keys] == [576 // 4, 9, 9]
 
 

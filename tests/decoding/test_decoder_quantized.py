@@ -20,7 +20,11 @@ from mlx_batched_decode import _ext  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.caches.quantized_kv_cache import QuantizedSlotKVCache  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
-from tests.support.dequantized_decoder import dequantized_reference  # noqa: E402
+from tests.support.dequantized_decoder import (  # noqa: E402
+    assert_tokens_match,
+    dense_top_two,
+    dequantized_reference,
+)
 from tests.support.mlx_lm_models import mlx_lm_greedy, random_prompts  # noqa: E402
 from tests.decoding.test_decoder import FAMILIES  # noqa: E402
 from tests.decoding.test_decoder_windows import FAMILIES as WINDOW_FAMILIES  # noqa: E402
@@ -101,7 +105,10 @@ def test_windows_and_sinks_match_the_dequantized_dense_decoder(family, bits, mon
     prompts = random_prompts(lens)
     decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits, kv_group_size=32, max_step_tokens=16)
     out = decoder.generate(prompts, budgets, max_batch_size=3)
-    assert out == dequantized_reference(model, prompts, budgets, bits, 32, monkeypatch)
+    want = dequantized_reference(model, prompts, budgets, bits, 32, monkeypatch)
+    assert_tokens_match(
+        out, want, dense_top_two(model, prompts, bits, 32, monkeypatch, kv_step=16, max_step_tokens=16)
+    )
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -111,7 +118,10 @@ def test_4bit_and_8bit_match_the_dequantized_dense_decoder(models, bits, monkeyp
     prompts, budgets = random_prompts([1, 7, 30]), [12, 12, 12]
     decoder = BatchedDecoder(model, kv_step=16, kv_bits=bits, max_step_tokens=16)
     out = decoder.generate(prompts, budgets, max_batch_size=3)
-    assert out == dequantized_reference(model, prompts, budgets, bits, 64, monkeypatch)
+    want = dequantized_reference(model, prompts, budgets, bits, 64, monkeypatch)
+    assert_tokens_match(
+        out, want, dense_top_two(model, prompts, bits, 64, monkeypatch, kv_step=16, max_step_tokens=16)
+    )
 
 
 @pytest.mark.parametrize("num_draft_tokens", [1, 3])

@@ -1,6 +1,7 @@
 """References of the quantized decoder tests where mlx-lm's quantized cache has none (sliding
 windows, sinks, multi-head latent attention): the dense decoder fed the dequantized keys and
-values, and mlx-lm's own cache storing them dequantized."""
+values, and mlx-lm's own cache storing them dequantized; and the comparison of greedy tokens
+with a quantized reference, which lets near ties go either way (``assert_tokens_match``)."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +15,12 @@ from mlx_batched_decode.attention.slot import SlotAttention, attend_first_chunks
 from mlx_batched_decode.caches.kv_cache import SlotKVCache
 from mlx_batched_decode.caches.ring_kv_cache import RingSlotKVCache
 from mlx_batched_decode.decoding.decoder import BatchedDecoder
+from mlx_batched_decode.decoding.sampling import Sampler
+
+# The widest gap between a reference's two best logits at which a quantized run may pick the
+# other one. Two runs whose keys differ by rounding (1e-6) round a few elements to neighbouring
+# integers, which moved logits by up to 2e-3 (Gemma 3, 8 bits, measured).
+NEAR_TIE = 5e-3
 
 
 def rounded(x: mx.array, bits: int, group_size: int) -> mx.array:
@@ -85,3 +92,66 @@ def dequantized_reference(model, prompts, budgets, bits, group_size, monkeypatch
         # cut the prompts alike.
         decoder = BatchedDecoder(model, kv_step=16, max_step_tokens=16)
         return decoder.generate(prompts, budgets, max_batch_size=3)
+
+
+def top_two(logits: mx.array) -> tuple[tuple[int, float], tuple[int, float]]:
+    """The two best (token, logit) of ``logits [V]``, best first."""
+    order = mx.argsort(logits.astype(mx.float32))[::-1][:2].tolist()
+    return tuple((token, logits[token].item()) for token in order)
+
+
+def assert_tokens_match(out, want, reference_top_two) -> None:
+    """``out`` equals ``want`` request by request, but where a request parts from the reference
+    at a near tie: the reference's two best tokens there are ``out``'s and ``want``'s, within
+    ``NEAR_TIE``; after that its tokens are not compared. ``reference_top_two(request, prefix)``:
+    the reference's ``top_two`` after request ``request``'s prompt and the tokens ``prefix``."""
+    for request, (ours, theirs) in enumerate(zip(out, want)):
+        assert len(ours) == len(theirs), (request, ours, theirs)
+        parted = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if parted is None:
+            continue
+        (best, best_logit), (second, second_logit) = reference_top_two(request, theirs[:parted])
+        assert {ours[parted], theirs[parted]} == {best, second}, (request, parted, ours, theirs)
+        assert best_logit - second_logit < NEAR_TIE, (request, parted, best_logit - second_logit)
+
+
+class _Recorder(Sampler):
+    """Greedy, keeping the last logits it chose from."""
+
+    def __call__(self, logits):
+        self.logits = logits
+        return super().__call__(logits)
+
+
+def dense_top_two(model, prompts, bits, group_size, monkeypatch, **options):
+    """``reference_top_two`` of ``dequantized_reference``: the dense decoder over
+    ``dequantized_dense_caches`` fed one request's prompt and prefix (``options``: the
+    decoder's)."""
+
+    def top(request, prefix):
+        with dequantized_dense_caches(bits, group_size, monkeypatch):
+            decoder = BatchedDecoder(model, **options)
+            recorder = _Recorder()
+            decoder.add_request(list(prompts[request]) + list(prefix), 1, sampler=recorder)
+            while decoder.num_active:
+                decoder.step()
+        return top_two(recorder.logits[0])
+
+    return top
+
+
+def mlx_lm_top_two(model, prompts, **options):
+    """``reference_top_two`` of mlx-lm's ``generate_step`` (``options``: its keywords; a
+    ``prompt_cache`` factory as ``caches``, called once per request)."""
+    from mlx_lm.generate import generate_step
+
+    def top(request, prefix):
+        kwargs = dict(options)
+        caches = kwargs.pop("caches", None)
+        if caches is not None:
+            kwargs["prompt_cache"] = caches()
+        tokens = mx.array(list(prompts[request]) + list(prefix))
+        (_, logprobs), = generate_step(tokens, model, max_tokens=1, **kwargs)
+        return top_two(logprobs)
+
+    return top
