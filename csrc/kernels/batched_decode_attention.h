@@ -1106,8 +1106,8 @@ template <typename T, int D, int DV, bool GENERIC, int BITS>
       keys, values, key_scales, key_biases, value_scales, value_biases, p.k_batch_stride, p.k_head_stride,
       p.k_seq_stride, p.v_batch_stride, p.v_head_stride, p.v_seq_stride, &q, 0, 0};
   bda_attend<T, D, DV, GENERIC, false>(queries, kv, valid_lens, kv_starts, sinks, nullptr, query_starts, out,
-                                      partial_acc, partial_max, partial_sum, p, nullptr, tgid, 0, p.num_requests, sg,
-                                      lane, num_sg);
+                                       partial_acc, partial_max, partial_sum, p, nullptr, tgid, 0, p.num_requests, sg,
+                                       lane, num_sg);
 }
 
 // The ragged kernel: request b's keys [H_kv, T_b, D] and values [H_kv, T_b, Dv] (any strides)

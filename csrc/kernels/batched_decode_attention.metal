@@ -67,21 +67,21 @@
 #define instantiate_quantized_generic(tname, type, dim, bits) \
   instantiate_quantized_kernel(tname, type, dim, dim, upto##dim, true, bits)
 
-#define instantiate_quantized_dims_bits(tname, type, bits) \
-  instantiate_quantized_fast(tname, type, 32, bits)        \
-  instantiate_quantized_fast(tname, type, 64, bits)        \
-  instantiate_quantized_fast(tname, type, 96, bits)        \
-  instantiate_quantized_fast(tname, type, 128, bits)       \
-  instantiate_quantized_fast(tname, type, 160, bits)       \
-  instantiate_quantized_fast(tname, type, 192, bits)       \
-  instantiate_quantized_fast(tname, type, 256, bits)       \
-  instantiate_quantized_fast(tname, type, 512, bits)       \
+#define instantiate_quantized_dims_bits(tname, type, bits)     \
+  instantiate_quantized_fast(tname, type, 32, bits)            \
+  instantiate_quantized_fast(tname, type, 64, bits)            \
+  instantiate_quantized_fast(tname, type, 96, bits)            \
+  instantiate_quantized_fast(tname, type, 128, bits)           \
+  instantiate_quantized_fast(tname, type, 160, bits)           \
+  instantiate_quantized_fast(tname, type, 192, bits)           \
+  instantiate_quantized_fast(tname, type, 256, bits)           \
+  instantiate_quantized_fast(tname, type, 512, bits)           \
   instantiate_quantized_fast_pair(tname, type, 192, 128, bits) \
   instantiate_quantized_fast_pair(tname, type, 576, 512, bits) \
-  instantiate_quantized_generic(tname, type, 64, bits)     \
-  instantiate_quantized_generic(tname, type, 128, bits)    \
-  instantiate_quantized_generic(tname, type, 256, bits)    \
-  instantiate_quantized_generic(tname, type, 512, bits)    \
+  instantiate_quantized_generic(tname, type, 64, bits)         \
+  instantiate_quantized_generic(tname, type, 128, bits)        \
+  instantiate_quantized_generic(tname, type, 256, bits)        \
+  instantiate_quantized_generic(tname, type, 512, bits)        \
   instantiate_quantized_generic(tname, type, 576, bits)
 
 #define instantiate_quantized_dims(tname, type)  \
