@@ -11,7 +11,7 @@ pytest.importorskip("mlx_lm")
 from mlx.utils import tree_map  # noqa: E402
 
 import mlx_batched_decode  # noqa: E402
-import mlx_batched_decode.decoding.speculative as speculative  # noqa: E402
+from mlx_batched_decode.decoding.runner import ModelRunner  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.decoding.mlx_lm_caches import layer_windows  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
@@ -71,17 +71,17 @@ def test_greedy_equals_decoding_without_draft(
     targets, drafts, plain, family, draft, num_draft_tokens, monkeypatch
 ):
     accepted_per_round = []
-    real_round = speculative.packed_round
+    real_execute = ModelRunner.execute
 
-    def recording_round(target, draft, step, *args):
-        result = real_round(target, draft, step, *args)
+    def recording_execute(runner, plan, *args):
+        output = real_execute(runner, plan, *args)
         # The running requests' rows: a prompt's first token is no draft round.
         accepted_per_round.append(
-            [len(t) - 1 for t, n in zip(result[0], step.next_tokens) if n is not None]
+            [len(t) - 1 for t, n in zip(output.tokens, plan.next_tokens) if n is not None]
         )
-        return result
+        return output
 
-    monkeypatch.setattr("mlx_batched_decode.decoding.decoder.packed_round", recording_round)
+    monkeypatch.setattr(ModelRunner, "execute", recording_execute)
     decoder = BatchedDecoder(
         targets[family],
         draft_model=drafts[family][draft],
@@ -149,7 +149,7 @@ def test_one_target_pass_per_step_with_k_plus_1_rows(targets, drafts, monkeypatc
     # layer with L = k + 1 (decode tokens alone: the plain layout, no query_starts).
     assert [c[0][2] for c in calls] == [1] * ((k + 1) * len(draft.layers)) + [k + 1] * layers
     assert all(c[2] is None for c in calls)
-    window_ring = max(decoder._chunk_limit - 1, k)
+    window_ring = max(decoder.core.scheduler.chunk_limit - 1, k)
     for (shape, lens, _, ring_offset), window in zip(calls[-layers:], layer_windows(target)):
         ends = [n + k + 1 for n in seq_lens]
         assert shape[0] == 3

@@ -10,7 +10,10 @@ pytest.importorskip("mlx_lm")
 pytest.importorskip("starlette")
 pytest.importorskip("prometheus_client")
 
+from mlx_batched_decode.decoding.config import EngineConfig, SchedulerConfig  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.decoding.engine_core import EngineCore  # noqa: E402
+from mlx_batched_decode.decoding.plan import Snapshot  # noqa: E402
 from mlx_batched_decode.server.engine import Engine, Submission  # noqa: E402
 from mlx_batched_decode.server.metrics import ServerMetrics  # noqa: E402
 from mlx_batched_decode.server.protocol import APIError  # noqa: E402
@@ -29,10 +32,21 @@ def loaded(tmp_path_factory):
     return load(str(path))
 
 
+def core(model, max_batch_size):
+    """An engine core of ``model`` running at most ``max_batch_size`` requests."""
+    return EngineCore(model, EngineConfig(scheduler=SchedulerConfig(max_batch_size=max_batch_size)))
+
+
+def metric(metrics, name, **labels):
+    """A sample's value in ``metrics``' registry (``None``: none such)."""
+    return metrics.registry.get_sample_value(name, labels)
+
+
 def submission(tokenizer, prompt, max_tokens, stop=()):
+    """A greedy request ending at the tokenizer's end-of-sequence ids, as the server's."""
     return Submission(
         list(prompt), max_tokens, 0.0, 1.0, None, TextStream(tokenizer, stop, max_tokens),
-        asyncio.get_running_loop(),
+        asyncio.get_running_loop(), stop_tokens=tokenizer.eos_token_ids,
     )
 
 
@@ -60,7 +74,7 @@ def test_accepts_batch_plus_queue_then_503(loaded):
     model, tokenizer = loaded
 
     async def main():
-        engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=2, max_queue=3)
+        engine = Engine(core(model, 2), ServerMetrics(), max_queue=3)
         for _ in range(5):
             engine.submit(submission(tokenizer, [7, 8], 4))
         with pytest.raises(APIError) as refused:
@@ -77,41 +91,49 @@ def test_texts_equal_the_decoders_tokens_and_counts_come_back(loaded):
     expected = BatchedDecoder(model).generate(prompts, 6, stop_tokens=tokenizer.eos_token_ids)
 
     async def main():
-        engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=2, max_queue=4)
+        metrics = ServerMetrics()
+        engine = Engine(core(model, 2), metrics, max_queue=4)
         results = await serve_all(engine, tokenizer, prompts, 6)
-        assert not engine.alive and engine.decoder.num_active == 0
-        assert engine._accepted == 0 and engine.decoder.stats.requests == {}
-        return results
+        assert not engine.alive and engine.accepted == 0
+        # The engine keeps nothing of a finished request.
+        assert engine.core.snapshot() == Snapshot(0, 0, 0, 2)
+        assert not engine.core.runner.samplers
+        return results, metrics
 
-    results = asyncio.run(main())
+    results, metrics = asyncio.run(main())
     assert any(len(tokens) < 6 for tokens in expected), "no request met its end token"
     for pieces, tokens in zip(results, expected):
         assert "".join(p.text for p in pieces) == tokenizer.decode(tokens)
         finish = "length" if len(tokens) == 6 else "stop"
         assert [p.finish_reason for p in pieces] == [None] * (len(pieces) - 1) + [finish]
+    # Finishes are counted by their reason: an end-of-sequence token is no cancel.
+    stops = sum(len(t) < 6 for t in expected)
+    assert metric(metrics, "mbd_requests_total", finish_reason="stop") == stops
+    assert metric(metrics, "mbd_requests_total", finish_reason="length") == len(prompts) - stops
+    assert metric(metrics, "mbd_requests_total", finish_reason="cancelled") is None
 
 
 def test_a_failing_step_ends_its_requests_and_the_thread_goes_on(loaded, monkeypatch):
     model, tokenizer = loaded
-    decoder = BatchedDecoder(model)
-    real_step, calls = decoder.step, []
+    engine_core = core(model, 4)
+    real_run, calls = engine_core.run, []
 
-    def step(*args, **kwargs):
+    def run(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("injected")
-        return real_step(*args, **kwargs)
+        return real_run(*args, **kwargs)
 
-    monkeypatch.setattr(decoder, "step", step)
+    monkeypatch.setattr(engine_core, "run", run)
 
     async def main():
-        engine = Engine(decoder, ServerMetrics(), max_batch_size=4, max_queue=4)
+        engine = Engine(engine_core, ServerMetrics(), max_queue=4)
         engine.start()
         first = submission(tokenizer, [9, 10, 11], 8)
         engine.submit(first)
         await drain(first)
         assert first.error is not None and "injected" in first.error
-        assert decoder.num_active == 0
+        assert engine_core.snapshot().running == 0
         later = submission(tokenizer, [9, 10, 11], 3)
         engine.submit(later)
         pieces = await drain(later)
@@ -127,7 +149,7 @@ def test_cancel_frees_the_slot_within_a_step(loaded):
     model, tokenizer = loaded
 
     async def main():
-        engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=2, max_queue=0)
+        engine = Engine(core(model, 2), ServerMetrics(), max_queue=0)
         engine.start()
         long = submission(tokenizer, [9, 10, 11], 10_000)
         engine.submit(long)
@@ -141,7 +163,7 @@ def test_cancel_frees_the_slot_within_a_step(loaded):
         return engine
 
     engine = asyncio.run(main())
-    assert engine.decoder.num_active == 0 and engine._accepted == 0
+    assert engine.core.snapshot().running == 0 and engine.accepted == 0
 
 
 def test_stop_strings_end_a_request_and_are_not_shown(loaded):
@@ -151,7 +173,7 @@ def test_stop_strings_end_a_request_and_are_not_shown(loaded):
     stop = " ".join(words[3:5])
 
     async def main():
-        engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=1, max_queue=0)
+        engine = Engine(core(model, 1), ServerMetrics(), max_queue=0)
         engine.start()
         sub = submission(tokenizer, [9, 10, 11], 8, stop=[stop])
         engine.submit(sub)
@@ -175,7 +197,7 @@ def test_latent_and_soft_capped_families_serve_the_decoders_texts(family, tmp_pa
     prompts = [[9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26]]
     expected = [mlx_lm_greedy(model, p, 5) for p in prompts]
 
-    engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=2, max_queue=2)
+    engine = Engine(core(model, 2), ServerMetrics(), max_queue=2)
     results = asyncio.run(serve_all(engine, tokenizer, prompts, 5))
     for pieces, tokens in zip(results, expected):
         eos = [i for i, t in enumerate(tokens) if t in tokenizer.eos_token_ids]

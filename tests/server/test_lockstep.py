@@ -1,5 +1,5 @@
-"""Tensor-parallel plans without ranks: a plan survives its int32 encoding, and a follower that
-replays rank 0's plans on its own decoder takes the very same steps."""
+"""Tensor-parallel plans without ranks: a plan survives its int32 encoding, and a follower's
+runner executing rank 0's plans takes the very same steps."""
 
 import asyncio
 
@@ -9,30 +9,58 @@ pytest.importorskip("mlx_lm")
 pytest.importorskip("starlette")
 pytest.importorskip("prometheus_client")
 
-from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
+from mlx_batched_decode.decoding.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from mlx_batched_decode.decoding.engine_core import EngineCore  # noqa: E402
+from mlx_batched_decode.decoding.plan import Admission, Release, StepPlan  # noqa: E402
+from mlx_batched_decode.decoding.runner import ModelRunner  # noqa: E402
+from mlx_batched_decode.decoding.sampling import Sampler  # noqa: E402
 from mlx_batched_decode.server.engine import Engine  # noqa: E402
-from mlx_batched_decode.server.lockstep import Admission, Plan, decode, encode, follow  # noqa: E402
+from mlx_batched_decode.server.lockstep import decode, encode, follow  # noqa: E402
 from mlx_batched_decode.server.metrics import ServerMetrics  # noqa: E402
 from tests.server.test_engine import TIMEOUT_S, drain, loaded, submission  # noqa: E402, F401
 
 
+def sampler_knobs(sampler):
+    """What a follower's sampler is made of (knobs exact in float32)."""
+    return sampler.temperature, sampler.top_p, sampler.seed, sampler.stream
+
+
 def test_a_plan_survives_its_encoding():
-    plan = Plan(
-        cancels=[3, 0, 12],
-        admits=[Admission([5, 6, 7], 9, 0.7, 0.95, 1234), Admission([8], 1, 0.0, 1.0, 0)],
-        step=True,
+    plan = StepPlan(
+        row_changes=[
+            Release(0, 2, 17),
+            Admission(7, 2, Sampler(0.75, 0.875, 2**63 + 5, stream=3)),
+            Release(1, 1, 0),
+            Admission(8, 1, Sampler(0.0, 1.0, 0)),
+        ],
+        uids=[4, 8, 7],
+        seq_lens=[17, 0, 0],
+        next_tokens=[11, None, None],
+        chunks=[[], [5, 6, 7], [9]],
+        ending=[False, True, True],
+        first_chunks=[(1, 2)],
+        reserve_len=3,
+        num_draft_tokens=2,
+        block_tables=[[3, 4], [0], [1, 2, 9]],
     )
-    assert decode(encode(plan)) == Plan(
-        cancels=[3, 0, 12],
-        admits=[Admission([5, 6, 7], 9, pytest.approx(0.7), pytest.approx(0.95), 1234),
-                Admission([8], 1, 0.0, 1.0, 0)],
-        step=True,
-    )
-    assert decode(encode(Plan(stop=True))) == Plan(stop=True)
+    decoded = decode(encode(plan))
+    changes = decoded.row_changes
+    decoded.row_changes = plan_changes = plan.row_changes
+    assert decoded == plan
+    assert [type(c) for c in changes] == [type(c) for c in plan_changes]
+    for got, sent in zip(changes, plan_changes):
+        if isinstance(sent, Release):
+            assert got == sent
+        else:
+            assert (got.uid, got.row) == (sent.uid, sent.row)
+            assert sampler_knobs(got.sampler) == sampler_knobs(sent.sampler)
+    assert decode(encode(StepPlan(uids=[0], seq_lens=[0], next_tokens=[1], chunks=[[]],
+                                  ending=[False]))).block_tables is None
+    assert decode(encode(None)) is None
 
 
 class Recorder:
-    """Rank 0's side: keeps every plan sent."""
+    """Rank 0's side: keeps every plan sent, as the followers get it."""
 
     def __init__(self):
         self.plans = []
@@ -51,16 +79,29 @@ class Replayer:
         return next(self.plans)
 
 
-def test_a_follower_replaying_the_plans_takes_the_same_steps(loaded):
+@pytest.mark.parametrize("layout", ["slot", "paged"])
+def test_a_follower_executing_the_plans_takes_the_same_steps(loaded, layout, monkeypatch):
     model, tokenizer = loaded
     recorder = Recorder()
+    outputs = {"leader": [], "follower": []}
+    side = "leader"
+    real_execute = ModelRunner.execute
+
+    def recording_execute(runner, plan, *args):
+        output = real_execute(runner, plan, *args)
+        outputs[side].append(output)
+        return output
+
+    monkeypatch.setattr(ModelRunner, "execute", recording_execute)
+    config = EngineConfig(CacheConfig(kv_layout=layout, block_size=4))
 
     async def main():
-        engine = Engine(BatchedDecoder(model), ServerMetrics(), max_batch_size=2, max_queue=4,
-                        lockstep=recorder)
+        leader = EngineCore(model, EngineConfig(config.cache, SchedulerConfig(max_batch_size=2)))
+        engine = Engine(leader, ServerMetrics(), max_queue=4, lockstep=recorder)
         engine.start()
         # Uneven lengths, a stop string, a cancel mid-run: rows join and leave at every turn.
         subs = [submission(tokenizer, [9 + i, 10, 11][: 1 + i % 3], 4 + 3 * i) for i in range(4)]
+        subs[1].stream = type(subs[1].stream)(tokenizer, [tokenizer.decode([20])], 7)
         long = submission(tokenizer, [30, 31], 10_000)
         for sub in [long, *subs]:
             engine.submit(sub)
@@ -69,13 +110,12 @@ def test_a_follower_replaying_the_plans_takes_the_same_steps(loaded):
         for sub in subs:
             await drain(sub)
         engine.stop(TIMEOUT_S)
-        return engine.decoder
 
-    leader = asyncio.run(main())
-    assert recorder.plans[-1].stop and any(p.cancels for p in recorder.plans)
-    follower = BatchedDecoder(model)
-    follow(follower, Replayer(recorder.plans))
-    assert follower.stats.steps == leader.stats.steps
-    assert follower.stats.generated_tokens == leader.stats.generated_tokens
-    assert follower.stats.prompt_tokens == leader.stats.prompt_tokens
-    assert follower.num_active == leader.num_active == 0
+    asyncio.run(main())
+    assert recorder.plans[-1] is None
+    assert any(isinstance(c, Release) for p in recorder.plans[:-1] for c in p.row_changes)
+    side = "follower"
+    follower = EngineCore(model, config)
+    steps = follow(follower.runner, Replayer(recorder.plans))
+    assert steps == len(recorder.plans) - 1 == len(outputs["leader"])
+    assert outputs["follower"] == outputs["leader"]

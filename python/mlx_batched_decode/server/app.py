@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -24,7 +23,6 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from ..decoding.decoder import BatchedDecoder
 from .engine import Engine, Submission
 from .metrics import ServerMetrics
 from .protocol import (
@@ -61,7 +59,6 @@ class ServerState:
     decoding thread."""
 
     engine: Engine
-    decoder: BatchedDecoder
     tokenizer: Any
     metrics: ServerMetrics
     model_id: str
@@ -131,18 +128,14 @@ def _submission(state: ServerState, request: CompletionRequest) -> Submission:
             code="context_length_exceeded",
         )
     try:
-        # Reads only the decoder's configuration: safe beside the decoding thread.
-        state.decoder.check_request(len(prompt), request.max_tokens)
+        # Reads only the engine's configuration: safe beside the decoding thread.
+        state.engine.core.check_request(len(prompt), request.max_tokens)
     except ValueError as error:
         raise APIError(400, str(error), code="kv_budget_exceeded") from error
     stream = TextStream(state.tokenizer, request.stop, request.max_tokens, initial_state)
-    seed = request.seed
-    if seed is None and state.engine.lockstep is not None:
-        # Every rank samples alike only from the same seed.
-        seed = random.getrandbits(31)
     return Submission(
-        prompt, request.max_tokens, request.temperature, request.top_p, seed, stream,
-        asyncio.get_running_loop(),
+        prompt, request.max_tokens, request.temperature, request.top_p, request.seed, stream,
+        asyncio.get_running_loop(), stop_tokens=tuple(state.tokenizer.eos_token_ids),
     )
 
 

@@ -1,6 +1,7 @@
 """``python -m mlx_batched_decode.serve``: the flags, the model loaded, uvicorn run.
 
-mlx_lm.server's flags where they apply, and one for every ``BatchedDecoder`` feature. The
+mlx_lm.server's flags where they apply, and one for every field of the engine's configs
+(``decoding/config.py``: generated from them, checked by them). The
 process listens on 127.0.0.1 unless ``--host`` says otherwise; SIGINT or SIGTERM stops it
 cleanly: it accepts nothing more, lets the requests it holds end (at most
 ``--shutdown-timeout`` seconds), and exits with status 0. With ``--tensor-parallel`` under
@@ -20,7 +21,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+from ..decoding.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    add_flags,
+    from_flags,
+)
+
 PROG = "python -m mlx_batched_decode.serve"
+# The server's scheduler defaults: a batch of 8, and steps of 128 tokens (half the decoder's
+# default, for half its longest gap between two tokens while prompts arrive).
+SERVER_SCHEDULER = SchedulerConfig(max_step_tokens=128, max_batch_size=8)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,32 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "model_max_length, else 131072)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
-    decoder = parser.add_argument_group("decoder (BatchedDecoder)")
-    decoder.add_argument("--max-batch-size", type=int, default=8,
-                         help="the most requests decoding or prefilling at once (8)")
-    decoder.add_argument("--max-queue", type=int, default=64,
-                         help="the most accepted requests waiting beyond the batch (64); "
-                         "more at once are answered 503")
-    decoder.add_argument("--max-step-tokens", type=int, default=128,
-                         help="tokens per step: decode tokens, then prompt chunks (128: half "
-                         "the decoder's default, for half its longest gap between two tokens)")
-    decoder.add_argument("--kv-bits", type=int, choices=[4, 8], default=None,
-                         help="keep keys/values quantized to this many bits")
-    decoder.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
-                         help="quantization group size with --kv-bits (64)")
-    decoder.add_argument("--kv-layout", choices=["slot", "paged"], default="slot",
-                         help="slot: a cache row per request; paged: block pools (slot)")
-    decoder.add_argument("--block-size", type=int, default=16,
-                         help="positions per block with --kv-layout paged (16)")
-    decoder.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction,
-                         default=True, help="share cached prompt blocks (--kv-layout paged)")
-    decoder.add_argument("--max-kv-blocks", type=int, default=None,
-                         help="the block budget with --kv-layout paged (default: unbounded); "
-                         "a request larger than it is answered 400")
-    decoder.add_argument("--draft-model", default=None,
-                         help="a draft model folder: decode speculatively")
-    decoder.add_argument("--num-draft-tokens", type=int, default=2,
-                         help="draft tokens per request and step with --draft-model (2)")
+    # The engine's flags come from its configs: their checks, defaults and help texts.
+    engine = parser.add_argument_group("engine (scheduler, KV cache, speculative decoding)")
+    add_flags(engine, SERVER_SCHEDULER)
+    engine.add_argument("--max-queue", type=int, default=64,
+                        help="the most accepted requests waiting beyond the batch (64); "
+                        "more at once are answered 503")
+    add_flags(engine, CacheConfig())
+    engine.add_argument("--draft-model", default=None,
+                        help="a draft model folder: decode speculatively")
+    add_flags(engine, SpeculativeConfig())
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds a stop waits for the requests held to end (30)")
     parser.add_argument("--tensor-parallel", action="store_true",
@@ -119,17 +116,33 @@ def fingerprint() -> str:
     )
 
 
-def build_decoder(args: argparse.Namespace, group=None):
-    """Load the model (and draft), sharded over ``group`` if given; returns the decoder and
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configs from the flags; ``SystemExit`` with the configs' one message for a
+    bad value or combination."""
+    try:
+        if args.max_batch_size is None:
+            raise ValueError("--max-batch-size must be given: the server bounds its batch")
+        return EngineConfig(
+            from_flags(CacheConfig, args),
+            from_flags(SchedulerConfig, args),
+            from_flags(SpeculativeConfig, args),
+            draft=args.draft_model is not None,
+        )
+    except ValueError as error:
+        raise SystemExit(f"{PROG}: {error}") from error
+
+
+def build_engine(args: argparse.Namespace, group=None):
+    """Load the model (and draft), sharded over ``group`` if given; returns the engine core and
     the tokenizer."""
-    from ..decoding.decoder import BatchedDecoder
+    from ..decoding.engine_core import EngineCore
     from ..integrations.tensor_parallel import shard
 
-    for name in ("max_batch_size", "max_step_tokens", "num_draft_tokens", "max_tokens"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"{PROG}: --{name.replace('_', '-')} must be >= 1")
+    if args.max_tokens < 1:
+        raise SystemExit(f"{PROG}: --max-tokens must be >= 1")
     if args.max_queue < 0:
         raise SystemExit(f"{PROG}: --max-queue must be >= 0")
+    config = engine_config(args)
     model, tokenizer = _load(args.model, args.chat_template)
     draft = None if args.draft_model is None else _load(args.draft_model, None)[0]
     try:
@@ -137,26 +150,15 @@ def build_decoder(args: argparse.Namespace, group=None):
             shard(model, group)
             if draft is not None:
                 shard(draft, group)
-        decoder = BatchedDecoder(
-            model,
-            draft_model=draft,
-            num_draft_tokens=args.num_draft_tokens,
-            kv_layout=args.kv_layout,
-            block_size=args.block_size,
-            prefix_sharing=args.prefix_sharing,
-            max_kv_blocks=args.max_kv_blocks,
-            kv_bits=args.kv_bits,
-            kv_group_size=args.kv_group_size,
-            max_step_tokens=args.max_step_tokens,
-        )
+        core = EngineCore(model, config, draft)
     except ValueError as error:
-        # A model or a flag the decoder cannot serve: said once, no traceback.
+        # A model the engine cannot serve: said once, no traceback.
         raise SystemExit(f"{PROG}: {error}") from error
-    return decoder, tokenizer
+    return core, tokenizer
 
 
-def build_state(args: argparse.Namespace, decoder, tokenizer, lockstep=None):
-    """The engine and the state the handlers share, around ``decoder``."""
+def build_state(args: argparse.Namespace, core, tokenizer, lockstep=None):
+    """The engine and the state the handlers share, around ``core``."""
     from .app import ServerState
     from .engine import Engine
     from .metrics import ServerMetrics
@@ -166,8 +168,7 @@ def build_state(args: argparse.Namespace, decoder, tokenizer, lockstep=None):
     model_dir = Path(args.model)
     model_id = str(model_dir.resolve())
     return ServerState(
-        engine=Engine(decoder, metrics, args.max_batch_size, args.max_queue, lockstep),
-        decoder=decoder,
+        engine=Engine(core, metrics, args.max_queue, lockstep),
         tokenizer=tokenizer,
         metrics=metrics,
         model_id=model_id,
@@ -246,14 +247,14 @@ def main(argv: Optional[list[str]] = None) -> None:
                 "mlx_batched_decode.serve --tensor-parallel --model DIR"
             )
         lockstep = Lockstep(group)
-    decoder, tokenizer = build_decoder(args, group)
+    core, tokenizer = build_engine(args, group)
     if group is not None and group.rank() != 0:
         # Rank 0 owns the stop: a follower ends when its plans say so.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-        follow(decoder, lockstep)
+        follow(core.runner, lockstep)
         return
-    state = build_state(args, decoder, tokenizer, lockstep)
+    state = build_state(args, core, tokenizer, lockstep)
     logging.info(
         "serving %s on http://%s:%d (max batch %d, queue %d, %d tokens a step)",
         state.model_id, args.host, args.port, args.max_batch_size, args.max_queue,

@@ -1,15 +1,17 @@
-"""The decoding thread: one ``BatchedDecoder`` stepped on a thread of its own.
+"""The decoding thread: one ``EngineCore`` stepped on a thread of its own.
 
 HTTP handlers (on the asyncio loop) ``submit`` checked requests and read each one's ``Piece``s
-from an ``asyncio.Queue``; the thread admits up to ``max_batch_size`` requests into the decoder,
-steps it, turns each request's tokens into text (``TextStream``) and hands the pieces over with
+from an ``asyncio.Queue``; the thread hands each new submission to the engine's scheduler
+(whose waiting queue is the only one: it admits up to ``max_batch_size`` requests), steps it,
+turns each request's tokens into text (``TextStream``) and hands the pieces over with
 ``call_soon_threadsafe``. ``max_batch_size + max_queue`` requests are accepted at once: the
 next one is refused with 503 before anything is queued, however fast the thread admits.
 
-A request ends with its stop sequence or ``max_tokens``, or when its handler ``cancel``s it (a
-client that hung up): the decoder then drops it at the next step, its slot or blocks free. A
-step that raises ends the requests it held with an error; the thread goes on with the next.
-With tensor parallelism the thread runs on rank 0 and sends each step's plan to the other
+A request ends as its ``StepResult`` says (an end-of-sequence token, ``max_tokens``), with its
+stop string (the text stream finds it; the engine is told it finished with ``"stop"``), or
+when its handler ``cancel``s it (a client that hung up): the engine frees its row or blocks at
+once. A step that raises ends the requests it held with an error; the thread goes on with the
+next. With tensor parallelism the thread runs on rank 0 and sends each step's plan to the other
 ranks first (``lockstep.py``).
 """
 
@@ -17,15 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
-from ..decoding.decoder import BatchedDecoder
+from ..decoding.engine_core import EngineCore
+from ..decoding.plan import StepResult
+from ..decoding.request import FinishReason
 from ..decoding.sampling import Sampler
-from .lockstep import Admission, Lockstep, Plan
+from .lockstep import Lockstep
 from .metrics import ServerMetrics
 from .protocol import APIError, usage_counts
 from .text_stream import Piece, TextStream
@@ -39,7 +43,8 @@ class Submission:
 
     ``pieces`` receives the request's ``Piece``s, then ``None`` once it has ended (``error``
     set if it failed). ``completion_tokens`` and ``cached_tokens`` count for its usage.
-    ``temperature``, ``top_p`` and ``seed`` are how it samples (``sampler``)."""
+    ``temperature``, ``top_p`` and ``seed`` are how it samples (``sampler``); ``stop_tokens``
+    (the tokenizer's end-of-sequence ids) end it."""
 
     prompt: list[int]
     max_tokens: int
@@ -48,6 +53,7 @@ class Submission:
     seed: Optional[int]
     stream: TextStream
     loop: asyncio.AbstractEventLoop
+    stop_tokens: Sequence[int] = ()
     pieces: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     last_emitted: Optional[float] = None
@@ -72,40 +78,39 @@ class Submission:
 
 
 class Engine:
-    """Steps ``decoder`` on its own thread for the submissions of the HTTP handlers.
+    """Steps ``core`` on its own thread for the submissions of the HTTP handlers.
 
     Args:
-        decoder: the ``BatchedDecoder`` (this thread is the only one that touches it).
+        core: the ``EngineCore`` (this thread is the only one that touches it but for
+            ``check_request``); its scheduler's ``max_batch_size`` bounds the requests it runs.
         metrics: the server's metrics, updated after every step.
-        max_batch_size: the most requests the decoder holds at once.
-        max_queue: the most accepted requests waiting for the decoder.
-        lockstep: with tensor parallelism (rank 0), where each step's plan goes first; every
-            submission then carries a seed.
+        max_queue: the most accepted requests waiting beyond ``max_batch_size``.
+        lockstep: with tensor parallelism (rank 0), where each step's plan goes first; a
+            submission without a seed then gets one.
     """
 
     def __init__(
         self,
-        decoder: BatchedDecoder,
+        core: EngineCore,
         metrics: ServerMetrics,
-        max_batch_size: int,
         max_queue: int,
         lockstep: Optional[Lockstep] = None,
     ):
-        self.decoder = decoder
+        if core.scheduler.max_batch_size is None:
+            raise ValueError("[Engine] the engine's scheduler needs a max_batch_size")
+        self.core = core
         self.metrics = metrics
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = core.scheduler.max_batch_size
         self.max_queue = max_queue
+        self.lockstep = lockstep
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._incoming: deque[Submission] = deque()
+        # Handed over from the handlers; the thread moves them into the scheduler at once.
+        self._arrived: list[Submission] = []
         self._cancels: list[Submission] = []
         self._accepted = 0
         self._stopping = False
         self._live: dict[int, Submission] = {}
-        self.lockstep = lockstep
-        # Requests taken out of the decoder since the last plan (finished early, or failed).
-        self._dropped: list[int] = []
-        self._counted = {name: 0 for name in _COUNTERS}
         self._thread = threading.Thread(target=self._run, name="mbd-decoder", daemon=True)
 
     def start(self) -> None:
@@ -114,6 +119,11 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def accepted(self) -> int:
+        """Requests accepted and not yet ended."""
+        return self._accepted
 
     def submit(self, submission: Submission) -> None:
         """Accept ``submission`` or raise ``APIError`` 503 (full, or shutting down)."""
@@ -130,7 +140,7 @@ class Engine:
                     {"Retry-After": "1"},
                 )
             self._accepted += 1
-            self._incoming.append(submission)
+            self._arrived.append(submission)
             self._wake.notify()
 
     def cancel(self, submission: Submission) -> None:
@@ -151,81 +161,75 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._incoming or self._cancels or self._live or self._stopping):
+                while not (self._arrived or self._cancels or self._live or self._stopping):
                     self._wake.wait()
-                if self._stopping and not (self._incoming or self._live):
+                if self._stopping and not (self._arrived or self._live):
                     if self.lockstep is not None:
-                        self.lockstep.send(Plan(cancels=self._take_dropped(), stop=True))
+                        self.lockstep.send(None)
                     return
+                arrived, self._arrived = self._arrived, []
                 cancels, self._cancels = self._cancels, []
-                for submission in cancels:
-                    if submission in self._incoming:
-                        self._incoming.remove(submission)
-                admitted = []
-                while self._incoming and len(self._live) + len(admitted) < self.max_batch_size:
-                    admitted.append(self._incoming.popleft())
+            for submission in arrived:
+                self._add(submission)
             for submission in cancels:
-                self._drop(submission)
-                self._end(submission, "cancelled")
-            plan = Plan(cancels=self._take_dropped(), step=False)
-            for submission in admitted:
-                if self._admit(submission):
-                    plan.admits.append(Admission(submission.prompt, submission.max_tokens,
-                                                 submission.temperature, submission.top_p,
-                                                 submission.seed))
-            plan.step = bool(self._live)
-            if self.lockstep is not None:
-                self.lockstep.send(plan)
-            if plan.step:
-                self._step()
+                self._finish(submission, FinishReason.CANCELLED)
+            plan = self.core.schedule()
+            if plan is not None:
+                if self.lockstep is not None:
+                    self.lockstep.send(plan)
+                self._step(plan)
             self._update_gauges()
 
-    def _take_dropped(self) -> list[int]:
-        dropped, self._dropped = self._dropped, []
-        return dropped
-
-    def _admit(self, submission: Submission) -> bool:
-        """Add ``submission`` to the decoder; whether it went in."""
+    def _add(self, submission: Submission) -> None:
+        """Hand ``submission`` to the engine's scheduler."""
+        if self.lockstep is not None and submission.seed is None:
+            # Every rank samples alike only from the same seed.
+            submission.seed = random.getrandbits(63)
+            submission.sampler = Sampler(submission.temperature, submission.top_p, submission.seed)
         try:
-            submission.uid = self.decoder.add_request(
-                submission.prompt, submission.max_tokens, sampler=submission.sampler
+            submission.uid = self.core.add_request(
+                submission.prompt, submission.max_tokens,
+                stop_tokens=submission.stop_tokens, sampler=submission.sampler,
             )
         except ValueError as error:
             # Checked before it was accepted: this is a bug, reported to the client alone.
             log.exception("a request could not be added")
-            self._end(submission, "error", str(error))
-            return False
+            self._end(submission, FinishReason.ERROR, str(error))
+            return
         self._live[submission.uid] = submission
-        return True
 
-    def _step(self) -> None:
+    def _step(self, plan) -> None:
         start = time.perf_counter()
         try:
-            result = self.decoder.step()
+            result = self.core.run(plan)
         except Exception as error:  # noqa: BLE001 - the thread must outlive any one step
             log.exception("a decoder step failed; its requests end with an error")
             for submission in list(self._live.values()):
-                self._drop(submission)
-                self._end(submission, "error", f"the decoder step failed: {error}")
+                self._finish(submission, FinishReason.ERROR, f"the decoder step failed: {error}")
             return
         now = time.perf_counter()
         self.metrics.step_time.observe(now - start)
+        self._count(result)
+        for uid in result.finished:
+            if uid in self._live:
+                self._live[uid].cached_tokens = result.cached_tokens[uid]
         for uid, tokens in result.tokens.items():
             submission = self._live.get(uid)
             if submission is not None:
                 self._emit(submission, tokens, now)
         for uid in result.finished:
-            self.decoder.stats.requests.pop(uid, None)
             submission = self._live.pop(uid, None)
-            if submission is not None:
-                # The decoder's budget ran out with the last token (already sent as "length").
-                self._end(submission, "length")
+            if submission is None:
+                continue
+            reason = result.reasons[uid]
+            if reason is FinishReason.STOP:
+                # The end-of-sequence token ended it: the stream finishes as on a stop sequence.
+                submission.put(submission.stream.end_of_sequence())
+            self._end(submission, reason)
 
     def _emit(self, submission: Submission, tokens: list[int], now: float) -> None:
         if submission.last_emitted is None:
             self.metrics.ttft.observe(now - submission.arrived)
-            timing = self.decoder.stats.requests.get(submission.uid)
-            submission.cached_tokens = 0 if timing is None else timing.prefix_hit_tokens
         else:
             self.metrics.itl.observe(now - submission.last_emitted)
         submission.last_emitted = now
@@ -234,55 +238,44 @@ class Engine:
                 piece = submission.stream.feed(token)
             except Exception as error:  # noqa: BLE001 - one request's failure ends it alone
                 log.exception("detokenizing a request failed")
-                self._drop(submission)
-                self._end(submission, "error", f"detokenizing failed: {error}")
+                self._finish(submission, FinishReason.ERROR, f"detokenizing failed: {error}")
                 return
             submission.put(piece)
             if piece.finish_reason is not None:
-                self._drop(submission)
-                self._end(submission, piece.finish_reason)
+                # Its stop string, or its last token (the engine ends it in this step too).
+                self._finish(submission, FinishReason(piece.finish_reason))
                 return
 
-    def _drop(self, submission: Submission) -> None:
-        """Take ``submission`` out of the decoder (its slot or blocks free now)."""
+    def _finish(
+        self, submission: Submission, reason: FinishReason, error: Optional[str] = None
+    ) -> None:
+        """End ``submission`` with ``reason``: the engine frees what it held at once."""
         if submission.uid is not None and self._live.pop(submission.uid, None) is not None:
-            self.decoder.cancel(submission.uid)
-            self.decoder.stats.requests.pop(submission.uid, None)
-            self._dropped.append(submission.uid)
+            request = self.core.finish(submission.uid, reason)
+            if request is not None:
+                submission.cached_tokens = request.prefix_hit_tokens
+        self._end(submission, reason, error)
 
-    def _end(self, submission: Submission, reason: str, error: Optional[str] = None) -> None:
+    def _end(self, submission: Submission, reason: FinishReason, error: Optional[str] = None) -> None:
         if submission.ended:
             return
         submission.ended = True
         submission.error = error
-        self.metrics.requests.labels(reason).inc()
+        self.metrics.requests.labels(reason.value).inc()
         with self._lock:
             self._accepted -= 1
         submission.put(None)
 
+    def _count(self, result: StepResult) -> None:
+        metrics = self.metrics
+        metrics.prompt_tokens.inc(result.prompt_tokens)
+        metrics.prefix_hit_tokens.inc(result.prefix_hit_tokens)
+        metrics.generation_tokens.inc(sum(len(t) for t in result.tokens.values()))
+        metrics.draft_tokens.inc(result.draft_tokens)
+        metrics.accepted_tokens.inc(result.accepted_tokens)
+
     def _update_gauges(self) -> None:
-        decoder, metrics = self.decoder, self.metrics
-        with self._lock:
-            metrics.waiting.set(len(self._incoming))
-        metrics.running.set(len(self._live))
-        cache = decoder.paged_cache
-        if cache is None:
-            metrics.kv_usage.set(len(self._live) / self.max_batch_size)
-        else:
-            capacity = cache.allocator.max_blocks or cache.num_blocks
-            metrics.kv_usage.set(cache.blocks_in_use / max(capacity, 1))
-        for name in _COUNTERS:
-            value = getattr(decoder.stats, name)
-            getattr(metrics, _COUNTERS[name]).inc(value - self._counted[name])
-            self._counted[name] = value
-
-
-# DecodeStats counters -> the ServerMetrics counters that follow them.
-_COUNTERS: dict[str, str] = {
-    "prompt_tokens": "prompt_tokens",
-    "prefix_hit_tokens": "prefix_hit_tokens",
-    "generated_tokens": "generation_tokens",
-    "draft_tokens": "draft_tokens",
-    "accepted_tokens": "accepted_tokens",
-}
-
+        snapshot = self.core.snapshot()
+        self.metrics.running.set(snapshot.running)
+        self.metrics.waiting.set(snapshot.waiting)
+        self.metrics.kv_usage.set(snapshot.kv_usage)

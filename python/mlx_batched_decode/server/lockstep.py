@@ -1,51 +1,30 @@
-"""Tensor-parallel serving: rank 0's decoder operations replayed on every rank, in lockstep.
+"""Tensor-parallel serving: rank 0's step plans executed on every rank, in lockstep.
 
-Under ``mlx.launch`` with ``--tensor-parallel`` every rank holds its shard of the model and its
-own ``BatchedDecoder``; only rank 0 serves HTTP. Before each step rank 0's decoding thread
-sends a ``Plan`` (the requests it dropped or cancelled since the last step, those it admitted,
-whether it steps, whether it stops) to the other ranks, which apply it to their decoders in the
-same order (``follow``). Their decoders then hold the same requests in the same rows, and the
-step's all-reduces line up. Every request samples with a seed (rank 0 draws one where the
-request gives none), so that every rank picks the same tokens.
+Under ``mlx.launch`` with ``--tensor-parallel`` every rank holds its shard of the model; only
+rank 0 serves HTTP and schedules. Before each step rank 0's decoding thread sends the step's
+``StepPlan`` (the rows released and admitted since the last plan, each row's tokens, the block
+tables of the paged layout) to the other ranks, whose runners execute the same plan on their
+shards (``follow``): their rows hold the same requests, and the step's all-reduces line up.
+Every request samples with a seed (rank 0 draws one where the request gives none), so that
+every rank picks the same tokens. A ``None`` plan stops the followers.
 
 A plan travels as int32 values over ``mx.distributed.all_sum``, rank 0 contributing them and the
-others zeros: first its length, then the values.
+others zeros: first its length, then the values (floats by their float32 bits, seeds as two
+32-bit halves).
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from typing import Optional
+
 import mlx.core as mx
 
-from ..decoding.decoder import BatchedDecoder
+from ..decoding.plan import Admission, Release, StepPlan
+from ..decoding.runner import ModelRunner
 from ..decoding.sampling import Sampler
 
-
-@dataclass
-class Admission:
-    """One request as ``BatchedDecoder.add_request`` takes it, sampling seeded."""
-
-    prompt: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
-
-    def sampler(self) -> Sampler:
-        return Sampler(self.temperature, self.top_p, self.seed)
-
-
-@dataclass
-class Plan:
-    """What rank 0 did to its decoder since its last step, in order: ``cancels`` (request ids),
-    then ``admits`` (in the order their ids were given), then a step if ``step``; ``stop`` ends
-    the followers."""
-
-    cancels: list[int] = field(default_factory=list)
-    admits: list[Admission] = field(default_factory=list)
-    step: bool = False
-    stop: bool = False
+_RELEASE, _ADMISSION = 0, 1
 
 
 def _float_bits(value: float) -> int:
@@ -56,28 +35,81 @@ def _bits_float(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
-def encode(plan: Plan) -> list[int]:
-    """``plan`` as int32 values (floats by their float32 bits)."""
-    values = [int(plan.stop), int(plan.step), len(plan.cancels), *plan.cancels, len(plan.admits)]
-    for a in plan.admits:
-        values += [len(a.prompt), a.max_tokens, _float_bits(a.temperature),
-                   _float_bits(a.top_p), a.seed, *a.prompt]
+def _halves(value: int) -> list[int]:
+    """A 64-bit unsigned int as two int32 values."""
+    low, high = value & 0xFFFFFFFF, value >> 32
+    return [struct.unpack("<i", struct.pack("<I", half))[0] for half in (low, high)]
+
+
+def _whole(low: int, high: int) -> int:
+    low, high = (struct.unpack("<I", struct.pack("<i", half))[0] for half in (low, high))
+    return low | high << 32
+
+
+def _ints(values: list[int]) -> list[int]:
+    return [len(values), *values]
+
+
+def encode(plan: Optional[StepPlan]) -> list[int]:
+    """``plan`` as int32 values (``None``: stop); every sampler it admits has a seed."""
+    if plan is None:
+        return [0]
+    values = [1, len(plan.row_changes)]
+    for change in plan.row_changes:
+        if isinstance(change, Release):
+            values += [_RELEASE, change.row, change.last, change.length]
+            continue
+        sampler = change.sampler
+        values += [_ADMISSION, change.uid, change.row, _float_bits(sampler.temperature),
+                   _float_bits(sampler.top_p), *_halves(sampler.seed), sampler.stream]
+    values += _ints(plan.uids) + _ints(plan.seq_lens)
+    values += _ints([-1 if t is None else t for t in plan.next_tokens])
+    values += [len(plan.chunks)] + [x for c in plan.chunks for x in _ints(c)]
+    values += _ints([int(e) for e in plan.ending])
+    values += _ints([x for pair in plan.first_chunks for x in pair])
+    values += [plan.reserve_len, plan.num_draft_tokens]
+    tables = plan.block_tables
+    values += [-1] if tables is None else [len(tables)] + [x for t in tables for x in _ints(t)]
     return values
 
 
-def decode(values: list[int]) -> Plan:
+class _Reader:
+    def __init__(self, values: list[int]):
+        self.values, self.at = values, 0
+
+    def take(self, count: int = 1) -> list[int]:
+        self.at += count
+        return self.values[self.at - count : self.at]
+
+    def one(self) -> int:
+        return self.take()[0]
+
+    def ints(self) -> list[int]:
+        return self.take(self.one())
+
+
+def decode(values: list[int]) -> Optional[StepPlan]:
     """The inverse of ``encode``."""
-    plan = Plan(stop=bool(values[0]), step=bool(values[1]))
-    i = 3 + values[2]
-    plan.cancels = values[3:i]
-    count, i = values[i], i + 1
-    for _ in range(count):
-        n, max_tokens, temperature, top_p, seed = values[i : i + 5]
-        prompt = values[i + 5 : i + 5 + n]
-        plan.admits.append(
-            Admission(prompt, max_tokens, _bits_float(temperature), _bits_float(top_p), seed)
-        )
-        i += 5 + n
+    read = _Reader(values)
+    if not read.one():
+        return None
+    plan = StepPlan()
+    for _ in range(read.one()):
+        if read.one() == _RELEASE:
+            plan.row_changes.append(Release(*read.take(3)))
+            continue
+        uid, row, temperature, top_p, low, high, stream = read.take(7)
+        sampler = Sampler(_bits_float(temperature), _bits_float(top_p), _whole(low, high), stream)
+        plan.row_changes.append(Admission(uid, row, sampler))
+    plan.uids, plan.seq_lens = read.ints(), read.ints()
+    plan.next_tokens = [None if t < 0 else t for t in read.ints()]
+    plan.chunks = [read.ints() for _ in range(read.one())]
+    plan.ending = [bool(e) for e in read.ints()]
+    pairs = read.ints()
+    plan.first_chunks = list(zip(pairs[::2], pairs[1::2]))
+    plan.reserve_len, plan.num_draft_tokens = read.take(2)
+    count = read.one()
+    plan.block_tables = None if count < 0 else [read.ints() for _ in range(count)]
     return plan
 
 
@@ -91,28 +123,21 @@ class Lockstep:
         out = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group)
         return out.tolist()
 
-    def send(self, plan: Plan) -> None:
+    def send(self, plan: Optional[StepPlan]) -> None:
         values = encode(plan)
         self._all_sum([len(values)])
         self._all_sum(values)
 
-    def receive(self) -> Plan:
+    def receive(self) -> Optional[StepPlan]:
         (length,) = self._all_sum([0])
         return decode(self._all_sum([0] * length))
 
 
-def follow(decoder: BatchedDecoder, lockstep: Lockstep) -> None:
-    """A follower rank's loop: apply rank 0's plans to ``decoder`` until one says stop."""
-    while True:
-        plan = lockstep.receive()
-        for uid in plan.cancels:
-            decoder.cancel(uid)
-            decoder.stats.requests.pop(uid, None)
-        for a in plan.admits:
-            decoder.add_request(a.prompt, a.max_tokens, sampler=a.sampler())
-        if plan.step:
-            result = decoder.step()
-            for uid in result.finished:
-                decoder.stats.requests.pop(uid, None)
-        if plan.stop:
-            return
+def follow(runner: ModelRunner, lockstep: Lockstep) -> int:
+    """A follower rank's loop: execute rank 0's plans on ``runner`` until a ``None`` plan;
+    returns the steps executed."""
+    steps = 0
+    while (plan := lockstep.receive()) is not None:
+        runner.execute(plan)
+        steps += 1
+    return steps

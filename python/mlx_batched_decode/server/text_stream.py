@@ -77,6 +77,20 @@ class TextStream:
             if finish == "length":
                 self.state, flushed, current = TextStateMachine.flush(self.state)
                 segments.append((current, flushed))
+        return self._piece(segments, finish)
+
+    def end_of_sequence(self) -> Piece:
+        """The request ended at an end-of-sequence token, which the engine does not emit: it
+        counts and ends the text as ``feed`` would have (what is held back is dropped)."""
+        from mlx_lm.generate import TextStateMachine
+
+        self.tokens += 1
+        self.detokenizer.finalize()
+        self.state, current = TextStateMachine.discard(self.state)
+        return self._piece([(current, "")], "stop")
+
+    @staticmethod
+    def _piece(segments: list, finish: Optional[str]) -> Piece:
         text = "".join(t for s, t in segments if s not in ("reasoning", None))
         reasoning = "".join(t for s, t in segments if s == "reasoning")
         return Piece(text, reasoning, segments[-1][0], finish)

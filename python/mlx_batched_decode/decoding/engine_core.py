@@ -1,0 +1,155 @@
+"""``EngineCore``: one model's scheduler, runner and KV layouts, stepped together.
+
+The interface a server (or ``BatchedDecoder``) drives: ``add_request`` / ``finish`` from any
+caller on the engine's thread, then ``step`` (or ``schedule`` and ``run``, with the plan in
+between for tensor-parallel followers, which execute the same plans on their own runner). Each
+``StepResult`` says what every request emitted, which finished and why, and the counts a
+server reports; nothing else of the engine needs to be read.
+
+Dimension legend: V = vocabulary size.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import EngineConfig
+from .layouts import make_layout
+from .mlx_lm_caches import layer_windows
+from .plan import Snapshot, StepPlan, StepResult
+from .request import FinishReason, Request
+from .runner import ModelRunner
+from .sampling import Sampler
+from .scheduler import Scheduler
+
+
+class EngineCore:
+    """Serves ``model`` (and speculatively ``draft_model``) as ``config`` says.
+
+    Raises ``ValueError`` (``[BatchedDecoder] ...``) for a model it cannot serve, naming why,
+    or a draft model of another vocabulary.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: EngineConfig,
+        draft_model: Optional[nn.Module] = None,
+    ):
+        self.config = config
+        cache, scheduler = config.cache, config.scheduler
+        k = config.speculative.num_draft_tokens if draft_model is not None else 0
+        # A request's chunk: at most max_step_tokens, and where rings keep windowed layers
+        # (the unquantized slot layout) at most the smallest window: a ring holds the window
+        # behind its first row.
+        rings = cache.kv_layout == "slot" and cache.kv_bits is None
+        windows = [w for w in layer_windows(model) if w is not None and rings]
+        chunk_limit = min([scheduler.max_step_tokens, *windows])
+        # Rings make room for the positions a speculative round may roll back, or a chunk.
+        lookahead = max(chunk_limit - 1, k)
+        target = make_layout(model, cache, lookahead)
+        draft = None
+        if draft_model is not None:
+            draft = make_layout(draft_model, cache, lookahead)
+            target_vocab, draft_vocab = target.vocab_size(), draft.vocab_size()
+            if target_vocab != draft_vocab:
+                raise ValueError(
+                    f"[BatchedDecoder] the draft model's vocabulary ({draft_vocab} tokens) differs "
+                    f"from the target's ({target_vocab})"
+                )
+        self.runner = ModelRunner(target, draft)
+        self.scheduler = Scheduler(scheduler, target, k, chunk_limit)
+        self._next_uid = 0
+
+    def check_request(self, prompt_len: int, max_tokens: int) -> None:
+        """``ValueError`` unless such a request can be served (``Scheduler.check``); reads only
+        the configuration, so any thread may call it."""
+        self.scheduler.check(prompt_len, max_tokens)
+
+    def _request(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        stop_tokens: Iterable[int],
+        sampler: Optional[Sampler],
+    ) -> Request:
+        self.check_request(len(prompt), max_tokens)
+        request = Request(
+            self._next_uid,
+            [int(t) for t in prompt],
+            max_tokens,
+            frozenset(int(t) for t in stop_tokens),
+            sampler,
+        )
+        self._next_uid += 1
+        return request
+
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        stop_tokens: Iterable[int] = (),
+        sampler: Optional[Sampler] = None,
+    ) -> int:
+        """Queue ``prompt`` (token ids) and return its request id; the next steps admit it when
+        there is room and feed its prompt in chunks. ``stop_tokens`` end it (the tokenizer's
+        end-of-sequence ids, say), ``sampler`` chooses its tokens (``None``: the step's)."""
+        request = self._request(prompt, max_tokens, stop_tokens, sampler)
+        self.scheduler.add(request)
+        return request.uid
+
+    def add_prefilled_request(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        keys_values: Sequence[tuple[mx.array, mx.array]],
+        draft_keys_values: Optional[Sequence[tuple[mx.array, mx.array]]] = None,
+        *,
+        stop_tokens: Iterable[int] = (),
+    ) -> int:
+        """As ``add_request``, running at once with the keys/values of all but the prompt's
+        last token stored (``BatchedDecoder.add_prefilled_request``)."""
+        request = self._request(prompt, max_tokens, stop_tokens, None)
+        request.num_cached = len(request.prompt) - 1
+        row = self.scheduler.add_running(request)
+        cached = len(request.prompt) > 1
+        self.runner.load(
+            request.uid, row, keys_values if cached else None,
+            draft_keys_values if cached else None,
+        )
+        return request.uid
+
+    def finish(self, uid: int, reason: FinishReason = FinishReason.CANCELLED) -> Optional[Request]:
+        """End request ``uid`` now (``Scheduler.finish``): the request, or ``None``."""
+        self.runner.forget([uid])
+        return self.scheduler.finish(uid, reason)
+
+    def schedule(self) -> Optional[StepPlan]:
+        """The next step's plan (``None``: no request to run)."""
+        return self.scheduler.schedule()
+
+    def run(self, plan: StepPlan, sampler: Optional[Sampler] = None) -> StepResult:
+        """Execute ``plan`` and apply what it produced; ``sampler`` for requests without one."""
+        output = self.runner.execute(plan, sampler)
+        result = self.scheduler.update(plan, output.tokens)
+        self.runner.forget(result.finished)
+        result.draft_tokens, result.accepted_tokens = output.draft_tokens, output.accepted_tokens
+        return result
+
+    def step(self, sampler: Optional[Sampler] = None) -> StepResult:
+        """One step for every running request; ``ValueError`` when none runs or waits."""
+        plan = self.schedule()
+        if plan is None:
+            raise ValueError("[BatchedDecoder] step() needs at least one active request")
+        return self.run(plan, sampler)
+
+    @property
+    def has_requests(self) -> bool:
+        return self.scheduler.num_requests > 0
+
+    def snapshot(self) -> Snapshot:
+        return self.scheduler.snapshot()
