@@ -18,8 +18,9 @@ import mlx.nn as nn
 
 from ..attention.paged import PagedAttention
 from ..caches.paged_kv_cache import PagedKVCache
-from .latent_attention import latent_specs
-from .model_adapter import mlx_lm_attention_modules, routed_forward
+from ..families.mla import latent_specs
+from ..families.patches import mlx_lm_attention_modules
+from ..families.step_forward import routed_forward
 from .mlx_lm_caches import layer_windows
 
 

@@ -37,8 +37,9 @@ from ..caches.kv_cache import ContiguousKVCache, SlotKVCache
 from ..caches.packed_context import PackedDecodeContext
 from ..caches.quantized_kv_cache import QuantizedSlotKVCache
 from ..caches.ring_kv_cache import RingSlotKVCache
-from .latent_attention import latent_specs
-from .model_adapter import mlx_lm_attention_modules, routed_forward
+from ..families.mla import latent_specs
+from ..families.patches import mlx_lm_attention_modules
+from ..families.step_forward import routed_forward
 from .mlx_lm_caches import layer_windows, prompt_caches
 
 # A layer's cache on the zero-copy path.
