@@ -40,7 +40,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-import mlx_batched_decode.decoding.served_model as served_model_module
+import mlx_batched_decode.decoding.layouts.slot as slot_layout
 from mlx_batched_decode import BatchedDecoder, SlotAttention, SlotKVCache
 from mlx_batched_decode.tools.random_model import random_model
 
@@ -65,15 +65,15 @@ DTYPE = mx.float32
 
 @contextlib.contextmanager
 def every_position():
-    """While active, ``ServedModel`` gives windowed layers the layout before rings: a
+    """While active, ``SlotLayout`` gives windowed layers the layout before rings: a
     ``SlotKVCache`` of every position, read by ``SlotAttention`` with the step's lengths."""
-    saved = served_model_module.RingSlotKVCache, served_model_module.RingSlotAttention
-    served_model_module.RingSlotKVCache = lambda size, step: SlotKVCache(step)
-    served_model_module.RingSlotAttention = lambda size: SlotAttention()
+    saved = slot_layout.RingSlotKVCache, slot_layout.RingSlotAttention
+    slot_layout.RingSlotKVCache = lambda size, step: SlotKVCache(step)
+    slot_layout.RingSlotAttention = lambda size: SlotAttention()
     try:
         yield
     finally:
-        served_model_module.RingSlotKVCache, served_model_module.RingSlotAttention = saved
+        slot_layout.RingSlotKVCache, slot_layout.RingSlotAttention = saved
 
 
 def context(model, prompt, seed):

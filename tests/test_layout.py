@@ -1,11 +1,11 @@
 """The package's layout: imports point one way, and every public name resolves.
 
-Layers, lowest first: ops (ops.py and the extension) < caches < attention < decoding <
-integrations < server. A module may import its own layer and the layers below it, never one above;
-tools are leaves that any layer may use and that import only ops and tools. The modules at the
-package root (``__init__``, ``__main__``, ``serve``, ``mlx_lm``, ``sglang``) are the public face
-and may import anything. A module below them may look up the fused ops on the root package at call
-time (``import mlx_batched_decode``, then ``mlx_batched_decode.batched_decode_attention``, so
+Layers, lowest first: ops (ops.py and the extension) < caches < attention < families < decoding
+< integrations < server. A module may import its own layer and the layers below it, never one
+above; tools are leaves that any layer may use and that import only ops and tools. The modules at
+the package root (``__init__``, ``__main__``, ``serve``, ``mlx_lm``, ``sglang``) are the public
+face and may import anything. A module below them may look up the fused ops on the root package at
+call time (``import mlx_batched_decode``, then ``mlx_batched_decode.batched_decode_attention``, so
 that a replaced public op is the one called), but nothing else of it.
 """
 
@@ -21,7 +21,8 @@ from tests.support.repo import REPO
 PACKAGE = "mlx_batched_decode"
 SOURCE = REPO / "python" / PACKAGE
 RANKS = {
-    "ops": 0, "_ext": 0, "caches": 1, "attention": 2, "decoding": 3, "integrations": 4, "server": 5
+    "ops": 0, "_ext": 0, "caches": 1, "attention": 2, "families": 3, "decoding": 4,
+    "integrations": 5, "server": 6,
 }
 TOOLS = "tools"
 FACE = "face"

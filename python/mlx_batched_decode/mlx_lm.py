@@ -19,7 +19,8 @@ code (``routing`` says why for each), unchanged but for Gemma 2's batch masks, p
 axis. No file of mlx-lm is edited: ``enable()`` replaces a function and five methods in memory,
 ``disable()`` restores them (``patches``).
 ``stats()`` counts the attention calls by where they ran. mlx-lm 0.32.2 is required.
-The plug-in's code lives in ``mlx_batched_decode.integrations.mlx_lm``.
+The plug-in's code lives in ``mlx_batched_decode.integrations.mlx_lm``, the model families'
+attention it puts in place (shared with ``BatchedDecoder``) in ``mlx_batched_decode.families``.
 """
 
 from .integrations.mlx_lm import (

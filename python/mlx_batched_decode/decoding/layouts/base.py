@@ -21,8 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...attention.base import DecodeAttention
-from ..model_adapter import mlx_lm_attention_modules, routed_forward
-from ..latent_attention import latent_specs
+from ...families.mla import latent_specs
+from ...families.patches import mlx_lm_attention_modules
+from ...families.step_forward import routed_forward
 from ..mlx_lm_caches import layer_windows, prompt_caches
 from ..plan import StepPlan
 from ..request import Request

@@ -4,7 +4,7 @@ Full-attention layers keep a ``SlotKVCache``, sliding-window layers a ``RingSlot
 ``R = window + lookahead`` positions per request, and with ``kv_bits`` every layer a
 ``QuantizedSlotKVCache`` (windowed layers then keep every position: the quantized op reads no
 ring). A multi-head latent attention layer's cache keeps one ``[S, 1, capacity, r + R]`` buffer
-of latent and rope keys and no values (``latent_attention``). Request ``b`` of a step owns row
+of latent and rope keys and no values (``families.mla``). Request ``b`` of a step owns row
 ``b`` of every buffer; when a request leaves, the last row's request moves into its row.
 
 ``lookahead`` is the most a step writes past a row's window: ``c - 1`` for a prompt chunk of c

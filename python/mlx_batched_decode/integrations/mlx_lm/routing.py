@@ -2,7 +2,8 @@
 
 mlx-lm's attention layers end with ``scaled_dot_product_attention(queries, keys, values,
 cache=cache, scale=..., mask=mask, sinks=...)``, after ``cache.update_and_fetch`` wrote the step's
-keys/values. ``DecodeRouter`` takes that call's place. A decode step of mlx-lm's batched generation
+keys/values. ``DecodeRouter``, a ``families.standard.RoutedAttention``, takes that call's place
+(its ``serve`` says which calls the op takes). A decode step of mlx-lm's batched generation
 (one new token per request, ``L = 1``) on a left-padded ``BatchKVCache`` goes to
 ``batched_decode_attention`` with:
 
@@ -37,7 +38,7 @@ rope keys, since their values are then narrower) stay on mlx-lm's path. ``Plugin
 every call by where it ran.
 
 A floating-point mask no ``make_mask`` built is a score term the model adds: MLA layers the
-plug-in does not replace (``latent_attention`` replaces DeepSeek-V3's and GLM-4.7-Flash's; e.g.
+plug-in does not replace (``families.mla`` replaces DeepSeek-V3's and GLM-4.7-Flash's; e.g.
 DeepSeek-V3.2's, Bailing's) pass their rope scores (``pe_scores``) that way, their cache holding
 latent and rope keys in two arrays. The op takes no additive scores, so those calls stay on
 mlx-lm's path (``additive_mask``).
@@ -45,9 +46,10 @@ Any other decode mask on a batch cache that its ``make_mask`` did not build (``N
 array), built for another length, or for a ring in another state (wrapped or not) than the
 cache's, is an error: the plug-in would not know which keys it allows.
 
-Gemma 2's attention soft-caps its scores by hand instead of calling this function; ``gemma2``
-replaces it and asks ``DecodeRouter.plan`` the same question for each of its calls, as the
-replaced MLA layers of ``latent_attention`` do for their decode steps.
+Gemma 2's attention soft-caps its scores by hand instead of calling this function;
+``families.gemma2`` replaces it and asks the router's ``serve`` the same question for each of its
+calls (with the op's ``softcap``), as the replaced MLA layers of ``families.mla`` do for their
+decode steps.
 
 Dimension legend: B = requests in the step, H_q = query heads, H_kv = key/value heads,
 L = new tokens per request, T = key/value positions, D = head dimension of queries and keys,
@@ -64,6 +66,7 @@ import mlx.core as mx
 
 import mlx_batched_decode
 
+from ...families.standard import RoutedAttention
 from .mask_tags import MaskTags
 
 PREFIX = "[mlx_batched_decode.mlx_lm]"
@@ -91,7 +94,7 @@ class PluginStats:
         unsupported_shape: head dims the op does not take (``Dv > 512`` or ``D > 576``).
         additive_mask: decode steps on a batch cache whose mask is a floating-point score term
             no ``make_mask`` built (the rope scores of MLA layers other than DeepSeek-V3's and
-            GLM-4.7-Flash's, which ``latent_attention`` serves).
+            GLM-4.7-Flash's, which ``families.mla`` serves).
         other: every other cache (single-request ``KVCache``, quantized, none, ...).
     """
 
@@ -135,8 +138,8 @@ def _op_takes(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
     )
 
 
-class DecodeRouter:
-    """A drop-in for mlx-lm's ``scaled_dot_product_attention`` (same signature).
+class DecodeRouter(RoutedAttention):
+    """The plug-in's drop-in for mlx-lm's ``scaled_dot_product_attention`` (same signature).
 
     Args:
         original: mlx-lm's own function, which every call the op does not serve goes to.
@@ -155,7 +158,7 @@ class DecodeRouter:
         batch_rotating: type,
         wrapped_rings: bool = True,
     ) -> None:
-        self.original = original
+        super().__init__(original, PREFIX)
         self.tags = tags
         self.batch_kv = batch_kv
         self.batch_rotating = batch_rotating
@@ -163,7 +166,7 @@ class DecodeRouter:
         self.stats = PluginStats()
         self._local = threading.local()
 
-    def __call__(
+    def serve(
         self,
         queries: mx.array,
         keys: mx.array,
@@ -172,15 +175,14 @@ class DecodeRouter:
         scale: float,
         mask: Any,
         sinks: Optional[mx.array] = None,
-    ) -> mx.array:
-        """``queries [B, H_q, L, D]`` over ``keys [B, H_kv, T, D]`` and ``values
-        [B, H_kv, T, Dv]`` -> ``[B, H_q, L, Dv]``; ``sinks`` ``[H_q]`` or ``None``; ``mask`` as
-        mlx-lm passes it (an array, ``"causal"`` or ``None``)."""
+        softcap: Optional[float] = None,
+    ) -> Optional[mx.array]:
+        """As ``RoutedAttention.serve``: ``batched_decode_attention`` for the calls ``plan``
+        takes, ``None`` for the rest; ``mask`` as mlx-lm passes it (an array, ``"causal"`` or
+        ``None``)."""
         call = self.plan(queries, keys, values, cache, mask)
         if call is None:
-            return self.original(
-                queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
-            )
+            return None
         return mlx_batched_decode.batched_decode_attention(
             queries,
             keys,
@@ -191,13 +193,14 @@ class DecodeRouter:
             window=call.window,
             sinks=sinks,
             ring_offset=call.ring_offset,
+            softcap=softcap,
         )
 
     def plan(
         self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any
     ) -> Optional[OpCall]:
         """The op's arguments for this call, or ``None`` for mlx-lm's path (counted in
-        ``stats`` either way); arguments as ``__call__``'s."""
+        ``stats`` either way); arguments as ``serve``'s."""
         stats = self.stats
         rotating = isinstance(cache, self.batch_rotating)
         if not (rotating or isinstance(cache, self.batch_kv)):
