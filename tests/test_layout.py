@@ -147,3 +147,55 @@ def test_every_public_name_resolves():
         assert missing == [], f"{module.__name__}.__all__ names what it lacks: {missing}"
     for name in ops.__all__:
         assert getattr(mlx_batched_decode, name) is getattr(ops, name)
+
+
+ENGINE = f"{PACKAGE}.decoding"
+
+
+def private_engine_imports(paths: list[Path]) -> list[str]:
+    """Every import of a private name (or private module) of the decoding layer in ``paths``,
+    as ``path:line imports name``; relative imports resolve against the package's source."""
+    found = []
+    for path in paths:
+        inside = path.is_relative_to(SOURCE)
+        if inside and path.relative_to(SOURCE).parts[0] == "decoding":
+            continue
+        module = ".".join([PACKAGE, *path.relative_to(SOURCE).with_suffix("").parts]) if inside else ""
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                target = node.module or ""
+                if node.level and inside:
+                    base = module.split(".")[: -node.level]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                names = [f"{target}.{a.name}" for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if name.startswith(ENGINE) and any(p.startswith("_") for p in parts[2:]):
+                    found.append(f"{path}:{node.lineno} imports {name}")
+    return found
+
+
+def engine_users() -> list[Path]:
+    """The package's modules, the tests and the benchmarks."""
+    return [p for root in (SOURCE, REPO / "tests", REPO / "benchmarks") for p in root.rglob("*.py")]
+
+
+def test_nothing_outside_the_engine_imports_its_private_names():
+    assert private_engine_imports(engine_users()) == []
+
+
+def test_the_check_finds_a_private_engine_import(tmp_path):
+    user = tmp_path / "user.py"
+    user.write_text(
+        "from mlx_batched_decode.decoding.scheduler import _hidden\n"
+        "import mlx_batched_decode.decoding._private_module\n"
+        "from mlx_batched_decode.decoding.scheduler import Scheduler\n"
+    )
+    found = private_engine_imports([user])
+    assert [f.split(" imports ")[1] for f in found] == [
+        f"{ENGINE}.scheduler._hidden", f"{ENGINE}._private_module"
+    ]

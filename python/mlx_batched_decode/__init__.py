@@ -20,9 +20,9 @@ _ext.cpu_spin_us()
 
 __all__ = list(ops.__all__)
 
-# The decode layer: per-step contexts, KV caches, attention paths, the decoder over mlx-lm
-# models, speculative decoding. None of these imports mlx-lm at import time; it is needed only
-# to run a BatchedDecoder.
+# The decode layer: per-step contexts, KV caches, attention paths, the engine core (configs,
+# plans, results) and the decoder over mlx-lm models. None of these imports mlx-lm at import
+# time; it is needed only to run a BatchedDecoder.
 from .attention.base import DecodeAttention
 from .attention.paged import PagedAttention
 from .attention.ring import RingSlotAttention
@@ -31,12 +31,15 @@ from .attention.slot import QuantizedSlotAttention, SlotAttention
 from .caches.block_allocator import BlockAllocator, BlockBudgetError
 from .caches.context import BatchedDecodeContext
 from .caches.kv_cache import ContiguousKVCache, SlotKVCache
-from .caches.paged_context import PagedDecodeContext
 from .caches.paged_kv_cache import PagedKVCache
 from .caches.quantized_kv_cache import QuantizedSlotKVCache
 from .caches.ring_kv_cache import RingSlotKVCache
+from .decoding.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from .decoding.decode_stats import DecodeStats, RequestTiming
-from .decoding.decoder import BatchedDecoder, StepResult
+from .decoding.decoder import BatchedDecoder
+from .decoding.engine_core import EngineCore
+from .decoding.plan import Snapshot, StepPlan, StepResult
+from .decoding.request import FinishReason
 from .decoding.sampling import Sampler
 
 __all__ += [
@@ -44,11 +47,14 @@ __all__ += [
     "BatchedDecoder",
     "BlockAllocator",
     "BlockBudgetError",
+    "CacheConfig",
     "ContiguousKVCache",
     "DecodeAttention",
     "DecodeStats",
+    "EngineConfig",
+    "EngineCore",
+    "FinishReason",
     "PagedAttention",
-    "PagedDecodeContext",
     "PagedKVCache",
     "QuantizedSlotAttention",
     "QuantizedSlotKVCache",
@@ -56,8 +62,12 @@ __all__ += [
     "RingSlotAttention",
     "RingSlotKVCache",
     "Sampler",
+    "SchedulerConfig",
     "SeedAttention",
     "SlotAttention",
     "SlotKVCache",
+    "Snapshot",
+    "SpeculativeConfig",
+    "StepPlan",
     "StepResult",
 ]

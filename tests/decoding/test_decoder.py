@@ -10,7 +10,7 @@ from mlx_lm.models import base, llama  # noqa: E402
 
 import mlx_batched_decode  # noqa: E402
 from mlx_batched_decode import _ext  # noqa: E402
-from mlx_batched_decode.caches.packed_context import PackedDecodeContext  # noqa: E402
+from mlx_batched_decode.caches.context import BatchedDecodeContext  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from tests.support.mlx_lm_models import LLAMA, QWEN3, VOCAB, mlx_lm_greedy, random_prompts  # noqa: E402
@@ -126,11 +126,11 @@ def test_stop_token_ends_requests_early(models, references):
 
 
 def test_one_context_per_step_shared_by_all_layers(models, monkeypatch):
-    """Per step: one PackedDecodeContext (the prompts' chunks and decode tokens together), and
+    """Per step: one BatchedDecodeContext (the prompts' chunks and decode tokens together), and
     every layer's RoPE and attention read its arrays."""
     model = models["mistral"]
     contexts, offsets, valid_lens = [], [], []
-    post_init = PackedDecodeContext.__post_init__
+    post_init = BatchedDecodeContext.__post_init__
 
     def counting_post_init(self):
         post_init(self)
@@ -149,7 +149,7 @@ def test_one_context_per_step_shared_by_all_layers(models, monkeypatch):
     decoder = BatchedDecoder(model)
     for prompt in random_prompts([4, 9, 2]):
         decoder.add_request(prompt, 5)
-    monkeypatch.setattr(PackedDecodeContext, "__post_init__", counting_post_init)
+    monkeypatch.setattr(BatchedDecodeContext, "__post_init__", counting_post_init)
     monkeypatch.setattr(mx.fast, "rope", rope_spy)
     monkeypatch.setattr(mlx_batched_decode, "batched_decode_attention", op_spy)
     kernel_calls = _ext.cpu_kernel_calls()

@@ -159,3 +159,26 @@ def test_requests_bring_their_own_samplers(model, prompts, references, draft):
     assert produced[uids[1]] == [7] * MAX_TOKENS[1]
     assert [produced[u] for i, u in enumerate(uids) if i != 1] == references[:1] + references[2:]
     assert own.rows >= MAX_TOKENS[1]
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(model, prompts, draft):
+    """Its own random stream: a request sampling at temperature 1 from seed 5 gets the same
+    tokens alone and beside other requests with other knobs (greedy, other seeds, top-p),
+    however the steps cut its prompt."""
+
+    def seeded(decoder, others):
+        uids = [decoder.add_request(p, 12, sampler=s) for p, s in others]
+        own = decoder.add_request(prompts[1], 12, sampler=Sampler(1.0, 1.0, 5))
+        produced = {uid: [] for uid in [*uids, own]}
+        while decoder.num_active:
+            for uid, tokens in decoder.step().tokens.items():
+                produced[uid] += tokens
+        return produced[own]
+
+    kwargs = dict(draft_model=model, num_draft_tokens=2) if draft else {}
+    alone = seeded(BatchedDecoder(model, **kwargs), [])
+    others = [(prompts[0], None), (prompts[2], Sampler(0.8, 0.9, 3)), (prompts[3], Sampler(2.0))]
+    beside = seeded(BatchedDecoder(model, max_step_tokens=16, **kwargs), others)
+    assert len(alone) == 12 and beside == alone
+    assert seeded(BatchedDecoder(model, **kwargs), []) == alone

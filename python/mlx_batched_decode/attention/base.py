@@ -57,13 +57,13 @@ class DecodeAttention(ABC):
         """``queries [B, H_q, L, D]`` over what ``update`` returned -> ``[B, H_q, L, Dv]``;
         ``window`` (int >= 1) bounds each row to its last keys, ``sinks`` is ``[H_q]`` float,
         ``softcap`` (> 0) caps each score ``s`` at ``softcap * tanh(s / softcap)``.
-        With a ``PackedDecodeContext`` the queries are its N tokens, ``[N, H_q, 1, D]``, and
-        the op takes them packed with the context's ``query_starts``. ``new_keys_values``: the
+        With a packed context the queries are its N tokens, ``[N, H_q, 1, D]``, and the op
+        takes them packed with the context's ``query_starts`` (or, when every request feeds L
+        of them, as ``[B, H_q, L, D]``). ``new_keys_values``: the
         step's new keys/values as ``update`` got them, which only the quantized path reads
         (``QuantizedSlotAttention``)."""
-        query_starts = getattr(context, "query_starts", None)
         options = AttendOptions(scale, window, sinks, softcap)
-        if query_starts is None:
+        if not context.packed:
             return self._attend(context, queries, keys, values, options)
         n, heads, _, dim = queries.shape
         rows = context.uniform_query_len
@@ -72,7 +72,7 @@ class DecodeAttention(ABC):
             batched = queries.reshape(n // rows, rows, heads, dim).swapaxes(1, 2)
             out = self._attend(context, batched, keys, values, options)
             return out.swapaxes(1, 2).reshape(n, heads, 1, -1)
-        options = options._replace(query_starts=query_starts)
+        options = options._replace(query_starts=context.query_starts)
         return self._attend(context, queries[:, :, 0], keys, values, options)[:, :, None]
 
     def attend_latent(

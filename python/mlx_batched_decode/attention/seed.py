@@ -2,7 +2,7 @@
 
 Per-request ``ContiguousKVCache``, right padding to ``max_len``, concatenation into one batch,
 an additive mask rebuilt per layer, ``mx.fast.scaled_dot_product_attention``. A packed step
-(``PackedDecodeContext``: each request feeds its own number of tokens) is padded the same way:
+(each request feeds its own number of tokens) is padded the same way:
 the requests that feed tokens, each one's query rows padded to the most any of them feeds.
 
 Shapes use the dimension legend of the package docstring (``mlx_batched_decode.attention``).
@@ -39,7 +39,7 @@ class _PaddedStep(NamedTuple):
 
 
 def _padded_step(context) -> _PaddedStep:
-    """The seed's padding of ``context`` (a ``PackedDecodeContext``), from its host ints."""
+    """The seed's padding of ``context`` (a packed one), from its host ints."""
     requests = [b for b, count in enumerate(context.query_lens) if count]
     width = max(context.query_lens)
     starts = [0]
@@ -80,7 +80,7 @@ class SeedAttention(DecodeAttention):
             raise TypeError(
                 f"[SeedAttention] layer {layer} needs {context.batch_size} ContiguousKVCache"
             )
-        if getattr(context, "query_starts", None) is None:
+        if not context.packed:
             rows = [(b, keys[b : b + 1], values[b : b + 1]) for b in range(context.batch_size)]
             pads = context.pad_sizes
         else:
@@ -107,7 +107,7 @@ class SeedAttention(DecodeAttention):
     def attend(self, context, queries, keys, values, *, new_keys_values=None, **options):
         """As ``DecodeAttention.attend``; a packed context's ``[N, H_q, 1, D]`` queries are
         padded per request (``_padded_step``), attended with a mask and unpadded."""
-        if getattr(context, "query_starts", None) is None:
+        if not context.packed:
             return super().attend(context, queries, keys, values, **options)
         step = _padded_step(context)
         n, heads, _, dim = queries.shape

@@ -108,7 +108,7 @@ def attend_first_chunks(out, context, queries, new_keys_values, options) -> mx.a
     if new_keys_values is None:
         return out
     new_keys, new_values = new_keys_values
-    for start, end in getattr(context, "first_chunk_rows", ()):
+    for start, end in context.first_chunk_rows:
         # [count, H_kv, 1, D] -> one request's [1, H_kv, count, D].
         keys = new_keys[start:end].transpose(2, 1, 0, 3)
         values = new_values[start:end].transpose(2, 1, 0, 3)

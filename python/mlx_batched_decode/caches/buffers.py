@@ -51,9 +51,9 @@ def first_capacity(length: int, step: int, limit: Optional[int] = None) -> int:
 
 
 def reserve_length(context) -> int:
-    """Positions a slot cache makes room for in a step: the step's ``max_len``, or a packed
+    """Positions a slot cache makes room for in a step: the step's ``max_len``, or the
     context's ``reserve_len`` (the end of the longest prompt being fed) when larger."""
-    return max(context.max_len, getattr(context, "reserve_len", 0))
+    return max(context.max_len, context.reserve_len)
 
 
 def place_on_huge_pages(buffers: Iterable[mx.array]) -> None:

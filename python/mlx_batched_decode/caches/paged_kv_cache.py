@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from .block_allocator import BlockAllocator
 from .buffers import place_on_huge_pages
-from .paged_context import PagedDecodeContext, PagedPackedContext
+from .context import BatchedDecodeContext
 from .prefix_hashes import block_hashes
 
 
@@ -252,35 +252,23 @@ class PagedKVCache:
         return [self.tables[rid] for rid in rids]
 
     def context(
-        self, rids: Sequence[Hashable], seq_lens: Sequence[int], query_len: int = 1
-    ) -> PagedDecodeContext:
-        """The step's ``PagedDecodeContext`` (``prepare_step`` done), every layer reading this
-        cache."""
-        tables = self.prepare_step(rids, seq_lens, [query_len] * len(rids))
-        return PagedDecodeContext(
+        self,
+        rids: Sequence[Hashable],
+        seq_lens: Sequence[int],
+        query_len: int = 1,
+        query_lens: Optional[Sequence[int]] = None,
+    ) -> BatchedDecodeContext:
+        """The step's context with its block tables (``prepare_step`` done), every layer
+        reading this cache: every request feeding ``query_len`` tokens, or with
+        ``query_lens`` a packed step."""
+        counts = [query_len] * len(rids) if query_lens is None else query_lens
+        tables = self.prepare_step(rids, seq_lens, counts)
+        return BatchedDecodeContext(
             len(rids),
             seq_lens,
             [self] * self.num_layers,
             query_len,
-            tables=tables,
-            block_size=self.block_size,
-        )
-
-    def packed_context(
-        self,
-        rids: Sequence[Hashable],
-        seq_lens: Sequence[int],
-        query_lens: Sequence[int],
-        first_chunks: Sequence[tuple[int, int]] = (),
-    ) -> PagedPackedContext:
-        """The packed step's ``PagedPackedContext``: positions ``seq_lens[b] .. seq_lens[b] +
-        query_lens[b] - 1`` made writable (``prepare_step``), every layer reading this cache."""
-        tables = self.prepare_step(rids, seq_lens, query_lens)
-        return PagedPackedContext(
-            seq_lens,
-            query_lens,
-            [self] * self.num_layers,
-            first_chunks=first_chunks,
+            query_lens=query_lens,
             tables=tables,
             block_size=self.block_size,
         )
@@ -290,16 +278,16 @@ class PagedKVCache:
         layer: int,
         keys: mx.array,
         values: Optional[mx.array],
-        context: PagedDecodeContext,
+        context: BatchedDecodeContext,
     ) -> tuple[mx.array, Optional[mx.array]]:
         """Write the step's new ``[B, H_kv, L, D]`` keys/values of ``layer`` at the context's
-        slots (one scatter per pool, in place; a ``PagedPackedContext``'s ``[N, H_kv, 1, D]``
+        slots (one scatter per pool, in place; a packed context's ``[N, H_kv, 1, D]``
         tokens alike); return the layer's pools as the op reads them,
         ``[N, block_size, H_kv, D]``. A layer written with ``values=None`` keeps a key pool
         only (multi-head latent attention: its values are the keys' first columns)."""
         self._ensure_pools(layer, keys, values)
         # Updates [B, L, H_kv, D] for the broadcast [B, L] (block, row) pairs.
-        blocks, rows = context.write_blocks, context.write_rows
+        blocks, rows = context.blocks.write_blocks, context.blocks.write_rows
         self._scatter(self.keys[layer], blocks, rows, keys.swapaxes(1, 2))
         if values is not None:
             self._scatter(self.values[layer], blocks, rows, values.swapaxes(1, 2))

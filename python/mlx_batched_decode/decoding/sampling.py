@@ -102,18 +102,16 @@ def _sample(samplers: Sequence[Sampler], logits: mx.array) -> mx.array:
         return greedy
     temperatures = mx.array([s.temperature or 1.0 for s in samplers], dtype=mx.float32)
     scaled = logits.astype(mx.float32) / temperatures[:, None]
-    order = None
     if any(s.top_p < 1.0 for s in samplers):
         top_p = mx.array([s.top_p for s in samplers], dtype=mx.float32)
         order = mx.argsort(-scaled, axis=-1)
-        scaled = mx.take_along_axis(scaled, order, axis=-1)
-        probs = mx.softmax(scaled, axis=-1)
+        probs = mx.softmax(mx.take_along_axis(scaled, order, axis=-1), axis=-1)
         # A token stays if the mass before it is below top_p: the most likely always stays.
         keep = (mx.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+        # Back in vocabulary order, where each token meets its own noise whatever the knobs.
+        keep = mx.put_along_axis(mx.zeros(keep.shape, dtype=mx.bool_), order, keep, axis=-1)
         scaled = mx.where(keep, scaled, -mx.inf)
     choice = mx.argmax(scaled + _gumbel(samplers, logits.shape[-1]), axis=-1)
-    if order is not None:
-        choice = mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
     chosen = choice.astype(mx.int32)
     if any(s.greedy for s in samplers):
         is_greedy = mx.array([s.greedy for s in samplers])

@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from ...attention.base import DecodeAttention
 from ...attention.paged import PagedAttention
-from ...caches.paged_context import PagedPackedContext
+from ...caches.context import BatchedDecodeContext
 from ...caches.paged_kv_cache import PagedKVCache
 from ...caches.prefix_hashes import block_hashes
 from ..plan import StepPlan
@@ -122,8 +122,8 @@ class PagedLayout(KVLayout):
     def release(self, row: int, last: int, length: int) -> None:
         """Nothing moves: the rows' tables come with each plan."""
 
-    def context(self, plan, seq_lens, query_lens, first_chunks) -> PagedPackedContext:
-        return PagedPackedContext(
+    def context(self, plan, seq_lens, query_lens, first_chunks) -> BatchedDecodeContext:
+        return BatchedDecodeContext.packed_step(
             seq_lens,
             query_lens,
             [self.cache] * self.num_layers,

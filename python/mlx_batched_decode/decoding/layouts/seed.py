@@ -15,7 +15,7 @@ import mlx.nn as nn
 from ...attention.base import DecodeAttention
 from ...attention.seed import SeedAttention
 from ...caches.kv_cache import ContiguousKVCache
-from ...caches.packed_context import PackedDecodeContext
+from ...caches.context import BatchedDecodeContext
 from ..plan import StepPlan
 from .base import KVLayout
 
@@ -62,9 +62,11 @@ class SeedLayout(KVLayout):
         self.rows[row] = self.rows[last]
         self.rows.pop()
 
-    def context(self, plan: StepPlan, seq_lens, query_lens, first_chunks) -> PackedDecodeContext:
+    def context(self, plan: StepPlan, seq_lens, query_lens, first_chunks) -> BatchedDecodeContext:
         layer_caches = [[row[layer] for row in self.rows] for layer in range(self.num_layers)]
-        return PackedDecodeContext(seq_lens, query_lens, layer_caches, (), first_chunks)
+        return BatchedDecodeContext.packed_step(
+            seq_lens, query_lens, layer_caches, first_chunks=first_chunks
+        )
 
     def cache_arrays(self) -> list[mx.array]:
         caches = [c for row in self.rows for c in row if c.keys is not None]

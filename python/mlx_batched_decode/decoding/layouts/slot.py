@@ -27,7 +27,7 @@ from ...attention.base import DecodeAttention
 from ...attention.ring import RingSlotAttention
 from ...attention.slot import QuantizedSlotAttention, SlotAttention
 from ...caches.kv_cache import SlotKVCache
-from ...caches.packed_context import PackedDecodeContext
+from ...caches.context import BatchedDecodeContext
 from ...caches.quantized_kv_cache import QuantizedSlotKVCache
 from ...caches.ring_kv_cache import RingSlotKVCache
 from ..plan import StepPlan
@@ -125,9 +125,10 @@ class SlotLayout(KVLayout):
             for cache in self.caches:
                 cache.move(last, row, length)
 
-    def context(self, plan, seq_lens, query_lens, first_chunks) -> PackedDecodeContext:
-        return PackedDecodeContext(
-            seq_lens, query_lens, self.caches, self.ring_sizes, first_chunks, plan.reserve_len
+    def context(self, plan, seq_lens, query_lens, first_chunks) -> BatchedDecodeContext:
+        return BatchedDecodeContext.packed_step(
+            seq_lens, query_lens, self.caches, ring_sizes=self.ring_sizes,
+            first_chunks=first_chunks, reserve_len=plan.reserve_len,
         )
 
     def cache_arrays(self) -> list[mx.array]:
