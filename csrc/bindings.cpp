@@ -51,6 +51,25 @@ OptionalArray ring_array(const char* op, const nb::object& ring_offset) {
   return mx::array(offset, mx::int64);
 }
 
+// One Python function of an op pair: the C++ function it calls, its name and docstring.
+template <typename Fn>
+struct Binding {
+  Fn fn;
+  const char* name;
+  const char* doc;
+};
+
+// Binds an op and its plain-MLX reference with one argument list, keyword
+// defaults and signature, so that the two cannot drift apart. wrap(name, fn)
+// makes the Python-callable lambda; `parameters` is the signature after the name.
+template <typename Fn, typename Wrap, typename... Args>
+void def_op_and_reference(nb::module_& m, const Binding<Fn>& op, const Binding<Fn>& reference, Wrap wrap,
+                          const char* parameters, const Args&... args) {
+  for (const Binding<Fn>& b : {op, reference}) {
+    m.def(b.name, wrap(b.name, b.fn), args..., nb::sig((std::string("def ") + b.name + parameters).c_str()), b.doc);
+  }
+}
+
 } // namespace
 
 NB_MODULE(_ext, m) {
@@ -58,36 +77,10 @@ NB_MODULE(_ext, m) {
   nb::module_::import_("mlx.core");
   m.doc() = "Native core of mlx_batched_decode: the primitive and its CPU kernel.";
 
-  m.def(
-      "batched_decode_attention",
-      [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& lens, std::optional<float> scale,
-         OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks, const nb::object& ring_offset,
-         std::optional<float> softcap, OptionalArray query_starts, mx::StreamOrDevice s) {
-        mbd::DecodeOptions o = options(scale, kv_starts, window, sinks, softcap, query_starts);
-        o.ring_offset = ring_array("batched_decode_attention", ring_offset);
-        return mbd::batched_decode_attention(q, k, v, lens, o, s);
-      },
-      "queries"_a,
-      "keys"_a,
-      "values"_a,
-      "valid_lens"_a,
-      nb::kw_only(),
-      "scale"_a = nb::none(),
-      "kv_starts"_a = nb::none(),
-      "window"_a = nb::none(),
-      "sinks"_a = nb::none(),
-      "ring_offset"_a = nb::none(),
-      "softcap"_a = nb::none(),
-      "query_starts"_a = nb::none(),
-      "stream"_a = nb::none(),
-      nb::sig(
-          "def batched_decode_attention(queries: mlx.core.array, keys: mlx.core.array, "
-          "values: mlx.core.array, valid_lens: mlx.core.array, *, scale: float | None = None, "
-          "kv_starts: mlx.core.array | None = None, window: int | None = None, "
-          "sinks: mlx.core.array | None = None, ring_offset: int | mlx.core.array | None = None, "
-          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
-          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
-      R"(Batched decode attention over per-request key/value ranges.
+  def_op_and_reference(
+      m,
+      Binding{&mbd::batched_decode_attention, "batched_decode_attention",
+              R"(Batched decode attention over per-request key/value ranges.
 
 Dimension legend: B requests, H_q query heads, H_kv key/value heads
 (G = H_q / H_kv query heads share one KV head), L query rows per request,
@@ -137,7 +130,40 @@ Returns:
     (and no finite sink) gets NaN, a softmax of -inf logits only.
 
 Raises:
-    ValueError: malformed arguments, before any work is queued.)");
+    ValueError: malformed arguments, before any work is queued.)"},
+      Binding{&mbd::reference_attention, "reference_attention",
+              R"(``batched_decode_attention`` in plain MLX ops (float32 softmax with a
+mask of each row's key range). Same arguments, shapes and errors; slower,
+differentiable, and the fallback the primitive uses for vjp, jvp and vmap.)"},
+      [](const char* name, auto fn) {
+        return [name, fn](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& lens,
+                          std::optional<float> scale, OptionalArray kv_starts, std::optional<int> window,
+                          OptionalArray sinks, const nb::object& ring_offset, std::optional<float> softcap,
+                          OptionalArray query_starts, mx::StreamOrDevice s) {
+          mbd::DecodeOptions o = options(scale, kv_starts, window, sinks, softcap, query_starts);
+          o.ring_offset = ring_array(name, ring_offset);
+          return fn(q, k, v, lens, o, s);
+        };
+      },
+      "(queries: mlx.core.array, keys: mlx.core.array, "
+      "values: mlx.core.array, valid_lens: mlx.core.array, *, scale: float | None = None, "
+      "kv_starts: mlx.core.array | None = None, window: int | None = None, "
+      "sinks: mlx.core.array | None = None, ring_offset: int | mlx.core.array | None = None, "
+      "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
+      "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array",
+      "queries"_a,
+      "keys"_a,
+      "values"_a,
+      "valid_lens"_a,
+      nb::kw_only(),
+      "scale"_a = nb::none(),
+      "kv_starts"_a = nb::none(),
+      "window"_a = nb::none(),
+      "sinks"_a = nb::none(),
+      "ring_offset"_a = nb::none(),
+      "softcap"_a = nb::none(),
+      "query_starts"_a = nb::none(),
+      "stream"_a = nb::none());
 
   m.def(
       "quantized_batched_decode_attention",
@@ -220,66 +246,10 @@ Raises:
     ValueError: malformed arguments (triples, shapes, dtypes, ``bits``,
         ``group_size``), before any work is queued.)");
 
-  m.def(
-      "reference_attention",
-      [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& lens, std::optional<float> scale,
-         OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks, const nb::object& ring_offset,
-         std::optional<float> softcap, OptionalArray query_starts, mx::StreamOrDevice s) {
-        mbd::DecodeOptions o = options(scale, kv_starts, window, sinks, softcap, query_starts);
-        o.ring_offset = ring_array("reference_attention", ring_offset);
-        return mbd::reference_attention(q, k, v, lens, o, s);
-      },
-      "queries"_a,
-      "keys"_a,
-      "values"_a,
-      "valid_lens"_a,
-      nb::kw_only(),
-      "scale"_a = nb::none(),
-      "kv_starts"_a = nb::none(),
-      "window"_a = nb::none(),
-      "sinks"_a = nb::none(),
-      "ring_offset"_a = nb::none(),
-      "softcap"_a = nb::none(),
-      "query_starts"_a = nb::none(),
-      "stream"_a = nb::none(),
-      nb::sig(
-          "def reference_attention(queries: mlx.core.array, keys: mlx.core.array, "
-          "values: mlx.core.array, valid_lens: mlx.core.array, *, scale: float | None = None, "
-          "kv_starts: mlx.core.array | None = None, window: int | None = None, "
-          "sinks: mlx.core.array | None = None, ring_offset: int | mlx.core.array | None = None, "
-          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
-          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
-      R"(``batched_decode_attention`` in plain MLX ops (float32 softmax with a
-mask of each row's key range). Same arguments, shapes and errors; slower,
-differentiable, and the fallback the primitive uses for vjp, jvp and vmap.)");
-
-  m.def(
-      "paged_decode_attention",
-      [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& tables, const mx::array& lens,
-         std::optional<float> scale, std::optional<int> window, OptionalArray sinks, std::optional<float> softcap,
-         OptionalArray query_starts, mx::StreamOrDevice s) {
-        return mbd::paged_decode_attention(
-            q, k, v, tables, lens, options(scale, std::nullopt, window, sinks, softcap, query_starts), s);
-      },
-      "queries"_a,
-      "key_pages"_a,
-      "value_pages"_a,
-      "block_tables"_a,
-      "valid_lens"_a,
-      nb::kw_only(),
-      "scale"_a = nb::none(),
-      "window"_a = nb::none(),
-      "sinks"_a = nb::none(),
-      "softcap"_a = nb::none(),
-      "query_starts"_a = nb::none(),
-      "stream"_a = nb::none(),
-      nb::sig(
-          "def paged_decode_attention(queries: mlx.core.array, key_pages: mlx.core.array, "
-          "value_pages: mlx.core.array, block_tables: mlx.core.array, valid_lens: mlx.core.array, *, "
-          "scale: float | None = None, window: int | None = None, sinks: mlx.core.array | None = None, "
-          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
-          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
-      R"(Batched decode attention over paged key/value caches (block tables).
+  def_op_and_reference(
+      m,
+      Binding{&mbd::paged_decode_attention, "paged_decode_attention",
+              R"(Batched decode attention over paged key/value caches (block tables).
 
 Dimension legend: B requests, H_q query heads, H_kv key/value heads
 (G = H_q / H_kv query heads share one KV head), L query rows per request,
@@ -324,16 +294,24 @@ Returns:
     row with no key to attend gets zeros.
 
 Raises:
-    ValueError: malformed arguments, before any work is queued.)");
-
-  m.def(
-      "reference_paged_attention",
-      [](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& tables, const mx::array& lens,
-         std::optional<float> scale, std::optional<int> window, OptionalArray sinks, std::optional<float> softcap,
-         OptionalArray query_starts, mx::StreamOrDevice s) {
-        return mbd::reference_paged_attention(
-            q, k, v, tables, lens, options(scale, std::nullopt, window, sinks, softcap, query_starts), s);
+    ValueError: malformed arguments, before any work is queued.)"},
+      Binding{&mbd::reference_paged_attention, "reference_paged_attention",
+              R"(``paged_decode_attention`` in plain MLX ops (the pages gathered into a
+dense cache, positions of out-of-pool blocks masked, float32 softmax). Same
+arguments, shapes and errors; slower, differentiable, and the fallback the
+primitive uses for vjp, jvp and vmap.)"},
+      [](const char*, auto fn) {
+        return [fn](const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& tables,
+                    const mx::array& lens, std::optional<float> scale, std::optional<int> window, OptionalArray sinks,
+                    std::optional<float> softcap, OptionalArray query_starts, mx::StreamOrDevice s) {
+          return fn(q, k, v, tables, lens, options(scale, std::nullopt, window, sinks, softcap, query_starts), s);
+        };
       },
+      "(queries: mlx.core.array, key_pages: mlx.core.array, "
+      "value_pages: mlx.core.array, block_tables: mlx.core.array, valid_lens: mlx.core.array, *, "
+      "scale: float | None = None, window: int | None = None, sinks: mlx.core.array | None = None, "
+      "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
+      "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array",
       "queries"_a,
       "key_pages"_a,
       "value_pages"_a,
@@ -345,46 +323,12 @@ Raises:
       "sinks"_a = nb::none(),
       "softcap"_a = nb::none(),
       "query_starts"_a = nb::none(),
-      "stream"_a = nb::none(),
-      nb::sig(
-          "def reference_paged_attention(queries: mlx.core.array, key_pages: mlx.core.array, "
-          "value_pages: mlx.core.array, block_tables: mlx.core.array, valid_lens: mlx.core.array, *, "
-          "scale: float | None = None, window: int | None = None, sinks: mlx.core.array | None = None, "
-          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
-          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
-      R"(``paged_decode_attention`` in plain MLX ops (the pages gathered into a
-dense cache, positions of out-of-pool blocks masked, float32 softmax). Same
-arguments, shapes and errors; slower, differentiable, and the fallback the
-primitive uses for vjp, jvp and vmap.)");
+      "stream"_a = nb::none());
 
-  m.def(
-      "ragged_decode_attention",
-      [](const mx::array& q, const std::vector<mx::array>& k, const std::vector<mx::array>& v, OptionalArray lens,
-         std::optional<float> scale, OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks,
-         std::optional<float> softcap, OptionalArray query_starts, mx::StreamOrDevice s) {
-        return mbd::ragged_decode_attention(
-            q, k, v, lens, options(scale, kv_starts, window, sinks, softcap, query_starts), s);
-      },
-      "queries"_a,
-      "keys"_a,
-      "values"_a,
-      "valid_lens"_a = nb::none(),
-      nb::kw_only(),
-      "scale"_a = nb::none(),
-      "kv_starts"_a = nb::none(),
-      "window"_a = nb::none(),
-      "sinks"_a = nb::none(),
-      "softcap"_a = nb::none(),
-      "query_starts"_a = nb::none(),
-      "stream"_a = nb::none(),
-      nb::sig(
-          "def ragged_decode_attention(queries: mlx.core.array, keys: collections.abc.Sequence[mlx.core.array], "
-          "values: collections.abc.Sequence[mlx.core.array], valid_lens: mlx.core.array | None = None, *, "
-          "scale: float | None = None, kv_starts: mlx.core.array | None = None, window: int | None = None, "
-          "sinks: mlx.core.array | None = None, "
-          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
-          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
-      R"(Batched decode attention straight from one cache buffer per request.
+  def_op_and_reference(
+      m,
+      Binding{&mbd::ragged_decode_attention, "ragged_decode_attention",
+              R"(Batched decode attention straight from one cache buffer per request.
 
 Dimension legend: B requests, H_q query heads, H_kv key/value heads
 (G = H_q / H_kv query heads share one KV head), L query rows per request,
@@ -434,16 +378,26 @@ Raises:
     ValueError: malformed arguments (lists that are not B long, keys and
         values of different shapes, mixed dtypes, H_kv or D that differ
         between requests, a leading axis other than 1, and every check of
-        ``batched_decode_attention``), before any work is queued.)");
-
-  m.def(
-      "reference_ragged_attention",
-      [](const mx::array& q, const std::vector<mx::array>& k, const std::vector<mx::array>& v, OptionalArray lens,
-         std::optional<float> scale, OptionalArray kv_starts, std::optional<int> window, OptionalArray sinks,
-         std::optional<float> softcap, OptionalArray query_starts, mx::StreamOrDevice s) {
-        return mbd::reference_ragged_attention(
-            q, k, v, lens, options(scale, kv_starts, window, sinks, softcap, query_starts), s);
+        ``batched_decode_attention``), before any work is queued.)"},
+      Binding{&mbd::reference_ragged_attention, "reference_ragged_attention",
+              R"(``ragged_decode_attention`` in plain MLX ops (``reference_attention`` on
+each request's own arrays, joined on the batch axis). Same arguments, shapes
+and errors; slower, differentiable, and the fallback the primitive uses for
+vjp, jvp and vmap.)"},
+      [](const char*, auto fn) {
+        return [fn](const mx::array& q, const std::vector<mx::array>& k, const std::vector<mx::array>& v,
+                    OptionalArray lens, std::optional<float> scale, OptionalArray kv_starts, std::optional<int> window,
+                    OptionalArray sinks, std::optional<float> softcap, OptionalArray query_starts,
+                    mx::StreamOrDevice s) {
+          return fn(q, k, v, lens, options(scale, kv_starts, window, sinks, softcap, query_starts), s);
+        };
       },
+      "(queries: mlx.core.array, keys: collections.abc.Sequence[mlx.core.array], "
+      "values: collections.abc.Sequence[mlx.core.array], valid_lens: mlx.core.array | None = None, *, "
+      "scale: float | None = None, kv_starts: mlx.core.array | None = None, window: int | None = None, "
+      "sinks: mlx.core.array | None = None, "
+      "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
+      "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array",
       "queries"_a,
       "keys"_a,
       "values"_a,
@@ -455,18 +409,7 @@ Raises:
       "sinks"_a = nb::none(),
       "softcap"_a = nb::none(),
       "query_starts"_a = nb::none(),
-      "stream"_a = nb::none(),
-      nb::sig(
-          "def reference_ragged_attention(queries: mlx.core.array, keys: collections.abc.Sequence[mlx.core.array], "
-          "values: collections.abc.Sequence[mlx.core.array], valid_lens: mlx.core.array | None = None, *, "
-          "scale: float | None = None, kv_starts: mlx.core.array | None = None, window: int | None = None, "
-          "sinks: mlx.core.array | None = None, "
-          "softcap: float | None = None, query_starts: mlx.core.array | None = None, "
-          "stream: mlx.core.Stream | mlx.core.Device | None = None) -> mlx.core.array"),
-      R"(``ragged_decode_attention`` in plain MLX ops (``reference_attention`` on
-each request's own arrays, joined on the batch axis). Same arguments, shapes
-and errors; slower, differentiable, and the fallback the primitive uses for
-vjp, jvp and vmap.)");
+      "stream"_a = nb::none());
 
   m.def(
       "advise_huge_pages",
