@@ -29,9 +29,9 @@ slower. Saved as ``results/<--output>.json`` (default ``ab_<script>``) with ever
 A run that exits non-zero (for example greedy tokens that differ) stops the A/B with its log.
 
     python benchmarks/ab_compare.py --base /work/ab/base/python --head python --repeats 6 \\
-        -- benchmarks/bench_decode.py --quick                  # about 3.5 minutes here
+        -- benchmarks/bench_decode.py --quick                  # 3-5 minutes on the 2-core VM
     python benchmarks/ab_compare.py --base /work/ab/base/python --head python --repeats 3 \\
-        -- benchmarks/bench_server.py --arrivals --native-only  # about 9 minutes here
+        -- benchmarks/bench_server.py --arrivals --native-only  # 9-10 minutes there
 """
 
 import argparse
