@@ -37,11 +37,14 @@ mlx_batched_decode.serve``) at its defaults, then with ``--kv-bits 8`` and with 
 (the target's first layer), on a burst of long prompts beside decoding requests and on a seeded
 trace of 32 requests; and the trace behind a shared 1,024-token system prompt, slot layout
 against paged with prefix sharing (prefill tokens saved, from ``/metrics``). Results:
-``results/server_arrivals.json``.
+``results/server_arrivals.json``. ``--native-only``: the native server at its defaults alone, on the
+burst and the trace (for A/B runs of two builds, ``ab_compare.py``). ``--output``: another name
+under ``results/``.
 
     python benchmarks/bench_server.py                      # 8 clients, prompts 1024-2048, 64 tokens
     python benchmarks/bench_server.py --clients 16 --rounds 3
     python benchmarks/bench_server.py --arrivals           # burst, trace, flags (about 15 minutes)
+    python benchmarks/bench_server.py --arrivals --native-only   # native burst and trace only
 """
 
 import argparse
@@ -99,6 +102,10 @@ def _parse_args():
     parser.add_argument("--arrivals", action="store_true",
                         help="replay requests arriving over time (burst, trace, flags)")
     parser.add_argument("--arrival-rate", type=float, default=0.5, help="the trace's requests/s")
+    parser.add_argument("--native-only", action="store_true",
+                        help="with --arrivals: only the native server at its defaults, burst and trace "
+                             "(no mlx_lm.server, no ratios to it; for A/B runs of this package)")
+    parser.add_argument("--output", help="results/<name>.json (default server, with --arrivals server_arrivals)")
     return parser.parse_args()
 
 
@@ -253,6 +260,8 @@ def main_arrivals(args):
             ("native", NATIVE, [], ("shared",)),
             ("native --kv-layout paged", NATIVE, ["--kv-layout", "paged"], ("shared",)),
         ]
+        if args.native_only:
+            runs = [("native", NATIVE, [], ("burst", "trace"))]
         for name, command, flags, scenarios in runs:
             print(f"{name}: {', '.join(scenarios)} ...", file=sys.stderr, flush=True)
             full = [*command, "--model", str(model_dir), "--log-level", "WARNING", *flags]
@@ -282,21 +291,25 @@ def main_arrivals(args):
     def row_of(server, scenario):
         return next(r for r in rows if r["server"] == server and r["scenario"] == scenario)
 
-    peer_burst, peer_trace = row_of("mlx_lm.server", "burst"), row_of("mlx_lm.server", "trace")
+    if args.native_only:
+        peer_burst = peer_trace = None
+        equal = {}
+    else:
+        peer_burst, peer_trace = row_of("mlx_lm.server", "burst"), row_of("mlx_lm.server", "trace")
+        equal = {
+            "native = mlx_lm.server (trace)": row_of("native", "trace")["texts"] == peer_trace["texts"],
+            "native = mlx_lm.server (burst)": row_of("native", "burst")["texts"] == peer_burst["texts"],
+            "draft = native (trace)": row_of("native --draft-model", "trace")["texts"]
+            == row_of("native", "trace")["texts"],
+        }
     for row in rows:
-        peer = peer_burst if row["scenario"] == "burst" else peer_trace
         if row["scenario"] == "burst":
-            row["gap_vs_mlx_lm"] = row["largest_gap_s"] / peer["largest_gap_s"]
             row["gap_over_step"] = row["largest_gap_s"] / row["step_during_prefill_s"]
-        elif row["scenario"] == "trace":
+            if peer_burst:
+                row["gap_vs_mlx_lm"] = row["largest_gap_s"] / peer_burst["largest_gap_s"]
+        elif row["scenario"] == "trace" and peer_trace:
             for key in ("seconds", "ttft_p50_s", "itl_p99_s"):
-                row[f"{key}_vs_mlx_lm"] = row[key] / peer[key]
-    equal = {
-        "native = mlx_lm.server (trace)": row_of("native", "trace")["texts"] == peer_trace["texts"],
-        "native = mlx_lm.server (burst)": row_of("native", "burst")["texts"] == peer_burst["texts"],
-        "draft = native (trace)": row_of("native --draft-model", "trace")["texts"]
-        == row_of("native", "trace")["texts"],
-    }
+                row[f"{key}_vs_mlx_lm"] = row[key] / peer_trace[key]
     print(f"model: {CONFIG}, float32; trace at {args.arrival_rate} requests/s")
     print_table(rows, [
         ("server", "server", "{}"), ("scenario", "scenario", "{}"), ("failed", "failed", "{}"),
@@ -312,7 +325,7 @@ def main_arrivals(args):
         print(f"{label}: {'identical texts' if same else 'TEXTS DIFFER'}")
     for row in rows:
         row.pop("texts")
-    path = save("server_arrivals", {"machine": machine(), "config": CONFIG, "args": vars(args),
+    path = save(args.output or "server_arrivals", {"machine": machine(), "config": CONFIG, "args": vars(args),
                                     "rows": rows, "texts_equal": equal})
     print(f"saved {path}")
     return 0 if all(equal.values()) else 1
@@ -394,7 +407,7 @@ def main():
         if row["first_error"]:
             print(f"{row['server']}: {row['failed_requests']} failed, first: {row['first_error']}")
     path = save(
-        "server",
+        args.output or "server",
         {
             "machine": machine(),
             "config": CONFIG,
