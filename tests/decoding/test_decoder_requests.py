@@ -182,3 +182,31 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(model, prompts, d
     beside = seeded(BatchedDecoder(model, max_step_tokens=16, **kwargs), others)
     assert len(alone) == 12 and beside == alone
     assert seeded(BatchedDecoder(model, **kwargs), []) == alone
+
+
+@pytest.mark.parametrize("attention", ["slot", "seed"])
+def test_a_prefilled_request_joins_after_others_left(model, prompts, references, attention):
+    """A request loaded with its context right after a step that ended another: the row that
+    moves into the freed one keeps its keys/values, the new request takes the next row, and
+    every request's greedy tokens stay mlx-lm's."""
+    from tests.support.mlx_lm_prefill import prefill
+
+    decoder = BatchedDecoder(model, attention=attention, kv_step=16)
+    first = decoder.add_prefilled_request(prompts[0], 1, prefill(model, prompts[0][:-1], 8))
+    second = decoder.add_prefilled_request(
+        prompts[1], MAX_TOKENS[1], prefill(model, prompts[1][:-1], 8)
+    )
+    produced = {first: [], second: []}
+    result = decoder.step()
+    assert result.finished == [first] and decoder.num_active == 1
+    for uid, tokens in result.tokens.items():
+        produced[uid] += tokens
+    third = decoder.add_prefilled_request(
+        prompts[2], MAX_TOKENS[2], prefill(model, prompts[2][:-1], 8)
+    )
+    produced[third] = []
+    while decoder.num_active:
+        for uid, tokens in decoder.step().tokens.items():
+            produced[uid] += tokens
+    assert produced[first] == references[0][:1]
+    assert produced[second] == references[1] and produced[third] == references[2]

@@ -115,12 +115,11 @@ class EngineCore:
         last token stored (``BatchedDecoder.add_prefilled_request``)."""
         request = self._request(prompt, max_tokens, stop_tokens, None)
         request.num_cached = len(request.prompt) - 1
-        row = self.scheduler.add_running(request)
-        cached = len(request.prompt) > 1
-        self.runner.load(
-            request.uid, row, keys_values if cached else None,
-            draft_keys_values if cached else None,
-        )
+        self.scheduler.add_running(request)
+        loads = [keys_values, draft_keys_values] if request.num_cached else [None, None]
+        # Its row changes applied at once, in order (the copy's time stays out of the next
+        # step's): an engine with tensor-parallel followers does not load requests this way.
+        self.runner.apply(self.scheduler.take_row_changes(), {request.uid: loads})
         return request.uid
 
     def finish(self, uid: int, reason: FinishReason = FinishReason.CANCELLED) -> Optional[Request]:

@@ -15,13 +15,13 @@ Dimension legend: B = rows of the step, R = running rows, k = draft tokens per r
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from .layouts.base import KVLayout
 from .packing import pack_tokens
-from .plan import Admission, StepPlan
+from .plan import Admission, Release, StepPlan
 from .sampling import Sampler, sample_rows
 from .speculative import accepted_length, draft_proposals
 
@@ -43,24 +43,10 @@ class ModelRunner:
         self.draft = draft
         # Each running request's sampler (None: the step's default).
         self.samplers: dict[int, Optional[Sampler]] = {}
-        self._loaded: set[int] = set()
 
     @property
     def layouts(self) -> list[KVLayout]:
         return [self.target] if self.draft is None else [self.target, self.draft]
-
-    def load(
-        self,
-        uid: int,
-        row: int,
-        layers_kv: Sequence[tuple[mx.array, mx.array]],
-        draft_layers_kv: Optional[Sequence[tuple[mx.array, mx.array]]] = None,
-    ) -> None:
-        """Store request ``uid``'s first positions in row ``row`` now (``KVLayout.load``), the
-        draft's too; its admission in the next plan then loads nothing more."""
-        for layout, layers in zip(self.layouts, (layers_kv, draft_layers_kv)):
-            layout.load(row, layers)
-        self._loaded.add(uid)
 
     def forget(self, uids: Sequence[int]) -> None:
         """Drop what it keeps of requests that ended (their rows go with the next plan)."""
@@ -70,7 +56,10 @@ class ModelRunner:
     def execute(self, plan: StepPlan, default: Optional[Sampler] = None) -> RunnerOutput:
         """Apply ``plan``'s row changes and run its step; requests without a sampler of their
         own choose with ``default`` (greedy if ``None``)."""
-        self._apply(plan)
+        self.apply(plan.row_changes)
+        if len(self.samplers) > len(plan.uids):
+            held = set(plan.uids)
+            self.samplers = {u: s for u, s in self.samplers.items() if u in held}
         default = default or Sampler()
         samplers = [self.samplers.get(uid) or default for uid in plan.uids]
         running = [b for b, token in enumerate(plan.next_tokens) if token is not None]
@@ -81,22 +70,22 @@ class ModelRunner:
             proposal = firsts[:, None] if running else None
         return self._verify(plan, samplers, proposal)
 
-    def _apply(self, plan: StepPlan) -> None:
-        """The plan's releases and admissions, in order, on every layout."""
-        for change in plan.row_changes:
-            if isinstance(change, Admission):
-                self.samplers[change.uid] = change.sampler
-                if change.uid in self._loaded:
-                    self._loaded.discard(change.uid)
-                    continue
-                for layout in self.layouts:
-                    layout.load(change.row, None)
-            else:
+    def apply(
+        self,
+        row_changes: Sequence[Union[Release, Admission]],
+        loads: Optional[Mapping[int, Sequence[Optional[Sequence[tuple[mx.array, mx.array]]]]]] = None,
+    ) -> None:
+        """Releases and admissions, in order, on every layout; ``loads[uid]``: an admitted
+        request's first positions, one ``KVLayout.load`` argument per layout."""
+        for change in row_changes:
+            if isinstance(change, Release):
                 for layout in self.layouts:
                     layout.release(change.row, change.last, change.length)
-        if len(self.samplers) > len(plan.uids):
-            held = set(plan.uids)
-            self.samplers = {u: s for u, s in self.samplers.items() if u in held}
+                continue
+            self.samplers[change.uid] = change.sampler
+            layers = (loads or {}).get(change.uid, [None] * len(self.layouts))
+            for layout, layers_kv in zip(self.layouts, layers):
+                layout.load(change.row, layers_kv)
 
     def _verify(
         self, plan: StepPlan, samplers: list[Sampler], proposal: Optional[mx.array]

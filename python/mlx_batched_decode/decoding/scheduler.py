@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 from .config import SchedulerConfig
 from .layouts.base import KVLayout
@@ -45,7 +45,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Rows released and admitted since the last plan, in order.
-        self._row_changes: list = []
+        self._row_changes: list[Union[Release, Admission]] = []
         self._admitted_hits = 0
 
     @property
@@ -129,12 +129,11 @@ class Scheduler:
         running = [not r.prefilling for r in self.running]
         budget = self.config.max_step_tokens - (k + 1) * sum(running)
         plan = StepPlan(
-            row_changes=self._row_changes,
+            row_changes=self.take_row_changes(),
             uids=[r.uid for r in self.running],
             seq_lens=[r.num_cached for r in self.running],
             num_draft_tokens=k,
         )
-        self._row_changes = []
         for request, run in zip(self.running, running):
             count = 0
             if request.prefilling and budget > 0:
@@ -156,6 +155,11 @@ class Scheduler:
         )
         self.layout.prepare(plan)
         return plan
+
+    def take_row_changes(self) -> list[Union[Release, Admission]]:
+        """The rows released and admitted since the last plan, in order, handed over once."""
+        changes, self._row_changes = self._row_changes, []
+        return changes
 
     def update(
         self, plan: StepPlan, outputs: Sequence[Optional[list[int]]]
