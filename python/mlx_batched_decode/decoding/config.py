@@ -24,9 +24,10 @@ PREFIX = "[BatchedDecoder]"
 KV_LAYOUTS = ("slot", "paged", "seed")
 
 
-def _flag(help: str, **options: Any) -> dict:
-    """A field's metadata: its flag's help text and argparse options (``choices``, ...)."""
-    return {"help": help, **options}
+def _flag(help: str, none: str = "none", **options: Any) -> dict:
+    """A field's metadata: its flag's help text, what a default of ``None`` means (``none``)
+    and argparse options (``choices``, ...)."""
+    return {"help": help, "none": none, **options}
 
 
 def _at_least(name: str, value: Optional[int], low: int, optional: bool = False) -> None:
@@ -53,12 +54,13 @@ class CacheConfig:
     prefix_sharing: bool = field(default=True, metadata=_flag(
         "share the cached blocks of equal prompt prefixes (paged layout)"))
     max_kv_blocks: Optional[int] = field(default=None, metadata=_flag(
-        "the block budget (paged layout; default unbounded): a request waits until blocks "
-        "for its whole length can be reserved, and one larger than the budget is refused"))
+        "the block budget (paged layout): a request waits until blocks for its whole length "
+        "can be reserved, and one larger than the budget is refused", none="unbounded"))
     max_cached_blocks: int = field(default=256, metadata=_flag(
         "the most prompt blocks no request holds kept for later requests (paged layout)"))
     kv_bits: Optional[int] = field(default=None, metadata=_flag(
-        "keep keys/values quantized to this many bits (slot layout)", choices=(4, 8)))
+        "keep keys/values quantized to this many bits (slot layout)", none="unquantized",
+        choices=(4, 8)))
     kv_group_size: int = field(default=64, metadata=_flag(
         "elements per quantization group with kv_bits", choices=(32, 64, 128)))
 
@@ -97,8 +99,8 @@ class SchedulerConfig:
         "tokens per step: every running request's decode tokens (always, past it too), then "
         "chunks of the prompts being fed, first come first served"))
     max_batch_size: Optional[int] = field(default=None, metadata=_flag(
-        "the most requests prefilling or decoding at once (default unbounded); the others "
-        "wait in arrival order"))
+        "the most requests prefilling or decoding at once; the others wait in arrival order",
+        none="unbounded"))
 
     def __post_init__(self) -> None:
         _at_least("max_step_tokens", self.max_step_tokens, 1)
@@ -133,8 +135,6 @@ class EngineConfig:
             )
 
 
-CONFIGS = (CacheConfig, SchedulerConfig, SpeculativeConfig)
-
 
 def add_flags(group: Any, config: Any) -> None:
     """Add a ``--name`` flag to ``group`` (an argparse parser or group) for every field of the
@@ -143,7 +143,9 @@ def add_flags(group: Any, config: Any) -> None:
     for item in dataclasses.fields(config):
         default = getattr(config, item.name)
         options = dict(item.metadata)
-        options["help"] = f"{options['help']} ({'default: ' + str(default)})"
+        none = options.pop("none")
+        shown = none if default is None else default
+        options["help"] = f"{options['help']} (default: {shown})"
         flag = "--" + item.name.replace("_", "-")
         if hints[item.name] is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
@@ -154,6 +156,6 @@ def add_flags(group: Any, config: Any) -> None:
 
 
 def from_flags(kind: type, args: argparse.Namespace) -> Any:
-    """The ``kind`` config (``CACHE``...) from the parsed flags ``add_flags`` added;
-    ``ValueError`` as its checks say."""
+    """The config of class ``kind`` from the parsed flags ``add_flags`` added; ``ValueError``
+    as its checks say."""
     return kind(**{item.name: getattr(args, item.name) for item in dataclasses.fields(kind)})
