@@ -6,7 +6,7 @@ window, as mlx-lm's ``RotatingKVCache``), and ``batched_decode_attention`` reads
 through ``ring_offset`` (``ring_step``). ``R`` must cover every key a step's rows read, and every
 key a later step may still read after rejected draft tokens were written over the ring:
 ``BatchedDecoder`` takes ``R = window + k`` with ``k`` draft tokens per round (``window``
-without a draft model), see ``ServedModel``.
+without a draft model), see ``decoding.layouts.slot``.
 
 Dimension legend: B = requests in the step, L = new tokens per request in the step,
 H_kv = key/value heads, D = head dimension, S = slots, R = ring positions per request.
