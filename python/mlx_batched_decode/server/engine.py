@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..decoding.engine_core import EngineCore
-from ..decoding.plan import StepResult
+from ..decoding.plan import StepPlan, StepResult
 from ..decoding.request import FinishReason
 from ..decoding.sampling import Sampler
 from .lockstep import Lockstep
@@ -198,14 +198,17 @@ class Engine:
             return
         self._live[submission.uid] = submission
 
-    def _step(self, plan) -> None:
+    def _step(self, plan: StepPlan) -> None:
         start = time.perf_counter()
         try:
             result = self.core.run(plan)
         except Exception as error:  # noqa: BLE001 - the thread must outlive any one step
             log.exception("a decoder step failed; its requests end with an error")
-            for submission in list(self._live.values()):
-                self._finish(submission, FinishReason.ERROR, f"the decoder step failed: {error}")
+            for uid in plan.uids:
+                submission = self._live.get(uid)
+                if submission is not None:
+                    message = f"the decoder step failed: {error}"
+                    self._finish(submission, FinishReason.ERROR, message)
             return
         now = time.perf_counter()
         self.metrics.step_time.observe(now - start)
