@@ -41,10 +41,19 @@ against paged with prefix sharing (prefill tokens saved, from ``/metrics``). Res
 burst and the trace (for A/B runs of two builds, ``ab_compare.py``). ``--output``: another name
 under ``results/``.
 
+With ``--burst`` it times the server tests' burst of clients (``tests.support.server_burst``: 8
+requests with 1,500-token prompts, then, 1 s later, 64 short completions whose clients all
+connect at once) on the server tests' model (``SERVED_LLAMA_SLIDING``): the plug-in's server
+against mlx-lm's with the same listen backlog (``mlx_lm_server_backlog.py``; stock
+``mlx_lm.server`` resets most of the burst), each started afresh for every run, as a new user's
+first load finds it. Every request must be answered and the two servers' texts equal, or the
+script exits with status 1 after saving. Results: ``results/server_burst.json``.
+
     python benchmarks/bench_server.py                      # 8 clients, prompts 1024-2048, 64 tokens
     python benchmarks/bench_server.py --clients 16 --rounds 3
     python benchmarks/bench_server.py --arrivals           # burst, trace, flags (about 15 minutes)
     python benchmarks/bench_server.py --arrivals --native-only   # native burst and trace only
+    python benchmarks/bench_server.py --burst --rounds 3   # the server tests' burst (about a minute)
 """
 
 import argparse
@@ -58,10 +67,14 @@ import threading
 import time
 from pathlib import Path
 
-from mlx_batched_decode.tools.local_server import running_server, sse_chunks
-from mlx_batched_decode.tools.model_folder import SPECIAL_TOKENS, save_model_folder, word
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.*
 
-from common import machine, print_table, save
+from mlx_batched_decode.tools.local_server import running_server, sse_chunks  # noqa: E402
+from mlx_batched_decode.tools.model_folder import SPECIAL_TOKENS, save_model_folder, word  # noqa: E402
+from tests.support.mlx_lm_models import SERVED_LLAMA_SLIDING  # noqa: E402
+from tests.support import server_burst  # noqa: E402
+
+from common import machine, print_table, save  # noqa: E402
 
 CONFIG = dict(
     model_type="llama",
@@ -80,6 +93,13 @@ SERVERS = {
     "mlx-lm + plug-in": [sys.executable, "-m", "mlx_batched_decode.serve", "--engine", "mlx-lm"],
 }
 NATIVE = [sys.executable, "-m", "mlx_batched_decode.serve"]
+BURST_SERVERS = {
+    "mlx-lm": [sys.executable, str(Path(__file__).with_name("mlx_lm_server_backlog.py"))],
+    "mlx-lm + plug-in": SERVERS["mlx-lm + plug-in"],
+}
+# The server tests' bound on a burst's request, doubled: a client a full backlog leaves in SYN
+# retries gives up here and is counted as failed.
+BURST_REQUEST_TIMEOUT_S = 120
 STARTUP_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30
 REQUEST_TIMEOUT_S = 1800
@@ -105,7 +125,10 @@ def _parse_args():
     parser.add_argument("--native-only", action="store_true",
                         help="with --arrivals: only the native server at its defaults, burst and trace "
                              "(no mlx_lm.server, no ratios to it; for A/B runs of this package)")
-    parser.add_argument("--output", help="results/<name>.json (default server, with --arrivals server_arrivals)")
+    parser.add_argument("--output", help="results/<name>.json (default server, with --arrivals "
+                        "server_arrivals, with --burst server_burst)")
+    parser.add_argument("--burst", action="store_true",
+                        help="the server tests' burst of clients, each server started afresh")
     return parser.parse_args()
 
 
@@ -331,10 +354,76 @@ def main_arrivals(args):
     return 0 if all(equal.values()) else 1
 
 
+def main_burst(args):
+    """The server tests' burst against each server of ``BURST_SERVERS``, in turns over rounds."""
+    vocab = SERVED_LLAMA_SLIDING["vocab_size"]
+    runs, texts = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_model_folder(SERVED_LLAMA_SLIDING, Path(tmp, "model"), seed=3)
+        for round_ in range(args.rounds):
+            order = list(BURST_SERVERS) if round_ % 2 == 0 else list(BURST_SERVERS)[::-1]
+            for name in order:
+                print(f"round {round_ + 1}/{args.rounds}: {name} ...", file=sys.stderr, flush=True)
+                log_path = Path(tmp, "server.log")
+                command = [*BURST_SERVERS[name], "--model", str(model_dir), "--log-level", "WARNING"]
+                with running_server(command, log_path, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S) as (port, _):
+                    result = server_burst.new_user_burst(port, vocab, BURST_REQUEST_TIMEOUT_S)
+                outcomes = result.long + result.short
+                texts.append([o.text if o.answered else None for o in outcomes])
+                failed = [f"request {i}: {o.error}" for i, o in enumerate(outcomes) if not o.answered]
+                runs.append({"server": name, "round": round_, "wall_s": result.wall_s,
+                             "failed_requests": len(failed), "first_error": next(iter(failed), None),
+                             "served_attention_calls": _served_calls(log_path.read_text())})
+
+    rows = []
+    for name in BURST_SERVERS:
+        mine = [r for r in runs if r["server"] == name]
+        walls = [r["wall_s"] for r in mine]
+        rows.append({"server": name, "rounds": len(mine), "wall_s": statistics.median(walls),
+                     "wall_range": f"{min(walls):.1f}-{max(walls):.1f}",
+                     "failed_requests": sum(r["failed_requests"] for r in mine),
+                     "first_error": next((r["first_error"] for r in mine if r["first_error"]), None),
+                     "served_attention_calls": mine[-1]["served_attention_calls"]})
+    for row in rows:
+        row["wall_vs_mlx_lm"] = row["wall_s"] / rows[0]["wall_s"]
+    requests = len(texts[0])
+    mismatched = _mismatched(texts, requests)
+    print(f"the server tests' burst: {server_burst.LONG_REQUESTS} prompts of "
+          f"{server_burst.LONG_PROMPT_TOKENS:,} tokens ({server_burst.LONG_MAX_TOKENS} new tokens "
+          f"each), {server_burst.PAUSE_S:g} s later {server_burst.BURST} short ones "
+          f"({server_burst.SHORT_MAX_TOKENS} new tokens), greedy; a fresh server per run; model: "
+          f"{SERVED_LLAMA_SLIDING['num_hidden_layers']}-layer Llama, one sliding-window layer, "
+          f"head dim {SERVED_LLAMA_SLIDING['head_dim']}, float32")
+    print_table(
+        [{**row, "failed_cell": _failed_cell(row)} for row in rows],
+        [
+            ("server", "server", "{}"),
+            ("wall_s", "burst wall s (median)", "{:.2f}"),
+            ("wall_range", "rounds", "{}"),
+            ("wall_vs_mlx_lm", "vs mlx-lm", "{:.2f}x"),
+            ("served_attention_calls", "op calls", "{}"),
+            ("failed_cell", "failed (first error)", "{}"),
+        ],
+    )
+    path = save(args.output or "server_burst", {"machine": machine(), "config": SERVED_LLAMA_SLIDING,
+                                 "args": vars(args), "runs": runs, "summary": rows,
+                                 "texts_equal": not mismatched})
+    print(f"saved {path}")
+    failed = sum(row["failed_requests"] for row in rows)
+    if failed or mismatched:
+        print(f"FAILED: {failed} requests unanswered, requests {mismatched} differ between runs",
+              file=sys.stderr)
+        return 1
+    print(f"OK: all {requests} requests answered in every run, the same texts from both servers")
+    return 0
+
+
 def main():
     args = _parse_args()
     if args.arrivals:
         return main_arrivals(args)
+    if args.burst:
+        return main_burst(args)
     rng = random.Random(args.seed)
     words = range(len(SPECIAL_TOKENS), CONFIG["vocab_size"])
     lengths = [rng.randint(*args.prompt_tokens) for _ in range(args.clients)]

@@ -11,6 +11,7 @@ pytest.importorskip("mlx_lm")
 
 from mlx_batched_decode.tools.progress import ProgressBar  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
+from tests.support.mlx_lm_models import QWEN2  # noqa: E402
 
 
 def _run_main(*args):
@@ -72,17 +73,8 @@ def test_main_job_with_a_local_model_directory(tmp_path):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    config = dict(
-        model_type="qwen2",
-        hidden_size=128,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rms_norm_eps=1e-6,
-        vocab_size=64,
-        tie_word_embeddings=True,
-    )
+    # 64 token ids: the word-level tokenizer's below.
+    config = dict(QWEN2, hidden_size=128, vocab_size=64)
     model = random_model(config, seed=2)
     mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -13,58 +13,24 @@ from mlx_batched_decode import _ext  # noqa: E402
 from mlx_batched_decode.caches.context import BatchedDecodeContext  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
-from tests.support.mlx_lm_models import LLAMA, QWEN3, VOCAB, mlx_lm_greedy, random_prompts  # noqa: E402
+from tests.support.mlx_lm_models import (  # noqa: E402
+    LLAMA,
+    MINISTRAL3,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+    VOCAB,
+    mlx_lm_greedy,
+    random_prompts,
+)
 
 # Odd small configs: GQA groups 2, 3 and 4, head dims 64 and 128, hidden != heads * head_dim.
-# mlx-lm runs model_type "mistral" with its Llama code, as mlx_lm.load does.
 FAMILIES = {
     "llama": LLAMA,
-    "qwen2": dict(
-        model_type="qwen2",
-        hidden_size=256,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rms_norm_eps=1e-6,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,
-    ),
+    "qwen2": QWEN2,
     "qwen3": QWEN3,
-    "mistral": dict(
-        model_type="mistral",
-        hidden_size=192,
-        num_hidden_layers=3,
-        intermediate_size=320,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=64,
-        rope_theta=1e6,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-    ),
-    # Ministral 3 scales queries by position (llama-4 style): a short original context makes
-    # that scale differ between requests, so per-request offsets must reach it too.
-    "ministral3": dict(
-        model_type="ministral3",
-        hidden_size=128,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e6,
-            "llama_4_scaling_beta": 0.5,
-            "original_max_position_embeddings": 16,
-        },
-    ),
+    "mistral": MISTRAL,
+    "ministral3": MINISTRAL3,
 }
 PROMPT_LENS = [1, 7, 30, 13, 55]
 MAX_TOKENS = [10, 4, 12, 1, 8]

@@ -2,7 +2,6 @@
 values (DeepSeek-V2, MiniCPM3) and Gemma 2's soft-capped attention through ``BatchedDecoder``:
 greedy tokens equal mlx-lm's single-request decode, with the op reading what each family keeps."""
 
-import mlx.core as mx
 import pytest
 
 pytest.importorskip("mlx_lm")
@@ -13,6 +12,7 @@ from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
 from tests.support.mlx_lm_models import (  # noqa: E402
     DEEPSEEK_V2,
     DEEPSEEK_V3,
+    DEEPSEEK_V3_WIDE,
     GEMMA2,
     GLM4_MOE_LITE,
     KIMI_K25,
@@ -183,11 +183,7 @@ def test_gemma2_quantized_cache_reads_the_cap(models, monkeypatch):
 
 def test_latent_space_at_deepseek_widths():
     # DeepSeek-V3's latent 512 + rope 64 (576-wide keys) with 16 query heads.
-    config = dict(
-        DEEPSEEK_V3, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
-        num_attention_heads=16, hidden_size=128, q_lora_rank=None, n_routed_experts=None,
-    )
-    model = random_model(config, seed=4)
+    model = random_model(DEEPSEEK_V3_WIDE, seed=4)
     prompts = random_prompts([3, 17, 40])
     decoder = BatchedDecoder(model, max_step_tokens=16)
     assert decoder.generate(prompts, 6) == [mlx_lm_greedy(model, p, 6) for p in prompts]

@@ -32,6 +32,7 @@ from tests.support.dequantized_decoder import (  # noqa: E402
 from tests.support.mlx_lm_models import (  # noqa: E402
     DEEPSEEK_V2,
     DEEPSEEK_V3,
+    DEEPSEEK_V3_WIDE,
     GLM4_MOE_LITE,
     KIMI_K25,
     MINICPM3,
@@ -186,11 +187,7 @@ def test_prefilled_latent_requests_match_the_dequantized_dense_decoder(models, m
 def test_latent_rows_at_deepseek_widths():
     """DeepSeek-V3's latent 512 + rope 64 (576-wide quantized rows, 9 groups of 64) with 16
     query heads, against the dense decoder fed the dequantized rows."""
-    config = dict(
-        DEEPSEEK_V3, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
-        num_attention_heads=16, hidden_size=128, q_lora_rank=None, n_routed_experts=None,
-    )
-    model = random_model(config, seed=4)
+    model = random_model(DEEPSEEK_V3_WIDE, seed=4)
     prompts, budgets = random_prompts([3, 17, 40]), [6, 6, 6]
     decoder = BatchedDecoder(model, kv_step=16, kv_bits=8, kv_group_size=64, max_step_tokens=16)
     out = decoder.generate(prompts, budgets, max_batch_size=3)

@@ -19,7 +19,8 @@ from tests.support.mlx_lm_prefill import prefill  # noqa: E402
 from tests.support.mlx_lm_models import (  # noqa: E402
     GEMMA3_TEXT,
     GPT_OSS,
-    VOCAB,
+    MINISTRAL3_SLIDING,
+    SMALL_LLAMA_SLIDING,
     WINDOW,
     mlx_lm_greedy,
     random_prompts,
@@ -29,43 +30,8 @@ from tests.support.mlx_lm_models import (  # noqa: E402
 FAMILIES = {
     "gpt_oss": GPT_OSS,
     "gemma3_text": GEMMA3_TEXT,
-    # Llama with layer_types and sliding_window set; head dim 32.
-    "llama": dict(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=WINDOW,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-    ),
-    # Ministral 3 (per-position query scale), full layer first; head dim 48.
-    "ministral3": dict(
-        model_type="ministral3",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=48,
-        max_position_embeddings=4096,
-        layer_types=["full_attention", "sliding_attention"],
-        sliding_window=WINDOW,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e6,
-            "llama_4_scaling_beta": 0.5,
-            "original_max_position_embeddings": 16,
-        },
-    ),
+    "llama": SMALL_LLAMA_SLIDING,
+    "ministral3": MINISTRAL3_SLIDING,
 }
 EXPECTED_WINDOWS = {
     "gpt_oss": [WINDOW, None],

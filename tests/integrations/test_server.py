@@ -25,10 +25,8 @@ openai = pytest.importorskip("openai")
 from mlx_batched_decode.tools.local_server import healthy, running_server  # noqa: E402
 from mlx_batched_decode.tools.model_folder import SPECIAL_TOKENS, save_model_folder, word  # noqa: E402
 
-from tests.support.mlx_lm_models import SERVED_LLAMA  # noqa: E402
+from tests.support.mlx_lm_models import SERVED_LLAMA_SLIDING as CONFIG  # noqa: E402
 
-# A sliding-window layer, then a full one.
-CONFIG = dict(SERVED_LLAMA, layer_types=["sliding_attention", "full_attention"], sliding_window=48)
 VOCAB = CONFIG["vocab_size"]
 CONCURRENT = 16
 REQUEST_TIMEOUT_S = 60.0

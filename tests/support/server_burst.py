@@ -4,16 +4,28 @@ clients all connect at the same moment (what overflows a small listen backlog).
 
 Every request is a plain non-streaming ``/v1/completions`` with its own socket timeout; its
 outcome (HTTP status, text, or the error it ended with) is recorded, never raised.
+``new_user_burst`` is the burst the server tests send and ``bench_server.py --burst`` times.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import random
 import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
+
+from mlx_batched_decode.tools.model_folder import SPECIAL_TOKENS, word
+
+# The new user's burst: 8 requests with long prompts, then, 1 s later, 64 short completions.
+LONG_REQUESTS = 8
+LONG_PROMPT_TOKENS = 1500
+LONG_MAX_TOKENS = 16
+BURST = 64
+SHORT_MAX_TOKENS = 2
+PAUSE_S = 1.0
 
 
 @dataclass
@@ -134,3 +146,23 @@ def burst(
     short_res = [o or unfinished for o in short_out]
     end = max([o.ended for o in long_res + short_res if o.ended] or [begin])
     return BurstResult(long_res, short_res, end - begin)
+
+
+def burst_prompts(vocab: int) -> tuple[list[str], list[str]]:
+    """The new user's long prompts and short ones: seeded random words of model_folder's word
+    tokenizer over ``vocab`` token ids, one token each."""
+    rng = random.Random(0)
+    words = range(len(SPECIAL_TOKENS), vocab)
+
+    def text(n):
+        return " ".join(word(rng.choice(words)) for _ in range(n))
+
+    long_prompts = [text(LONG_PROMPT_TOKENS) for _ in range(LONG_REQUESTS)]
+    return long_prompts, [text(3 + i % 5) for i in range(BURST)]
+
+
+def new_user_burst(port: int, vocab: int, timeout_s: float) -> BurstResult:
+    """The new user's burst (``burst_prompts``) against the server on ``port``."""
+    long_prompts, short_prompts = burst_prompts(vocab)
+    return burst(port, long_prompts, LONG_MAX_TOKENS, short_prompts, SHORT_MAX_TOKENS, PAUSE_S,
+                 timeout_s)

@@ -21,22 +21,11 @@ import mlx_batched_decode.mlx_lm as plugin
 from mlx_batched_decode.decoding.decoder import BatchedDecoder
 from mlx_batched_decode.tools.random_model import random_model
 from mlx_batched_decode.integrations.tensor_parallel import shard
-from tests.support.mlx_lm_models import GPT_OSS, VOCAB, random_prompts
+from tests.support.mlx_lm_models import GPT_OSS, LLAMA_GQA4, random_prompts
 
 # Head counts divisible by 2 ranks; gpt-oss adds sinks, a sliding-window layer and experts.
 FAMILIES = {
-    "llama": dict(
-        model_type="llama",
-        hidden_size=128,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-    ),
+    "llama": LLAMA_GQA4,
     "gpt_oss": GPT_OSS,
 }
 PROMPT_LENS = [1, 9, 40, 17, 3]

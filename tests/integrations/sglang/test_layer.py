@@ -20,7 +20,7 @@ pytest.importorskip("mlx_lm")
 import mlx_batched_decode.sglang as plugin  # noqa: E402
 from mlx_batched_decode import _ext  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
-from tests.support.mlx_lm_models import GPT_OSS, LLAMA  # noqa: E402
+from tests.support.mlx_lm_models import GPT_OSS, LLAMA, QWEN3_NEXT  # noqa: E402
 
 LENS = [1, 30, 97, 5]
 STEPS = 3
@@ -28,33 +28,6 @@ WINDOW = 6
 # Capacity 32: the 97-token buffer grows in prefill, the 30-token one during the steps.
 CAPACITY = 32
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 2e-2}
-# Qwen3-Next's full-attention layer: a gated q_proj (2 x H_q x D), q/k norms, RoPE on a quarter
-# of the head dim.
-QWEN3_NEXT = dict(
-    model_type="qwen3_next",
-    hidden_size=64,
-    num_hidden_layers=1,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    linear_num_value_heads=2,
-    linear_num_key_heads=2,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
-    linear_conv_kernel_dim=4,
-    num_experts=2,
-    num_experts_per_tok=1,
-    decoder_sparse_step=1,
-    shared_expert_intermediate_size=64,
-    mlp_only_layers=[],
-    moe_intermediate_size=64,
-    rms_norm_eps=1e-6,
-    vocab_size=64,
-    rope_theta=10000.0,
-    partial_rotary_factor=0.25,
-    max_position_embeddings=4096,
-)
 
 
 def _attention(config, dtype, seed):
