@@ -28,9 +28,10 @@ median over its runs), head / base, and flags a head more than ``--threshold`` (
 slower. Saved as ``results/<--output>.json`` (default ``ab_<script>``) with every run's values.
 A run that exits non-zero (for example greedy tokens that differ) stops the A/B with its log.
 
-    python benchmarks/ab_compare.py --base /work/ab/base/python --head python --repeats 6 \\
+    git worktree add ../base <commit before the change>   # then build or copy its _ext there
+    python benchmarks/ab_compare.py --base ../base/python --head python --repeats 6 \\
         -- benchmarks/bench_decode.py --quick                  # 3-5 minutes on the 2-core VM
-    python benchmarks/ab_compare.py --base /work/ab/base/python --head python --repeats 3 \\
+    python benchmarks/ab_compare.py --base ../base/python --head python --repeats 3 \\
         -- benchmarks/bench_server.py --arrivals --native-only  # 9-10 minutes there
 """
 
