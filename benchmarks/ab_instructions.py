@@ -8,14 +8,14 @@ worker under ``valgrind --tool=callgrind`` twice: once up to the warm-up (model 
 path traced once), once with ``--tokens`` more tokens for each of 8 requests of uneven prompts
 (chunked prefill beside decode tokens, then decode steps alone); the difference is the
 instructions of that work, the Python engine and the MLX kernels together. The fused kernel's
-thread pool does not spin (``MBD_CPU_SPIN_US=0``), so the counts repeat within a few tenths of a
-percent (``--repeats`` measures it). The model is tiny on purpose, so that the engine's own work
+thread pool does not spin (``MBD_CPU_SPIN_US=0``) and Python's hashes are fixed; the counts still
+move by a few percent from run to run (threads), so take ``--repeats`` and compare medians. The model is tiny on purpose, so that the engine's own work
 per step is a large share of the count.
 
     python benchmarks/ab_instructions.py --base ../base/python --head python   # about 25 minutes
 
 Prints instructions per generated token for each side and layout and head / base; saves
-``results/ab_instructions.json``. Needs valgrind (Debian's package).
+``results/<--output>.json`` (default ``ab_instructions``). Needs valgrind (Debian's package).
 """
 
 import argparse
@@ -64,7 +64,7 @@ def worker(layout, tokens):
 
 def count(tree, layout, tokens):
     """Instructions of one worker run on ``tree``."""
-    env = dict(os.environ, PYTHONPATH=str(tree), MBD_CPU_SPIN_US="0")
+    env = dict(os.environ, PYTHONPATH=str(tree), MBD_CPU_SPIN_US="0", PYTHONHASHSEED="0")
     done = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
          __file__, "--worker", layout, str(tokens)],
@@ -83,6 +83,7 @@ def main():
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--tokens", type=int, default=16, help="tokens per request (16)")
     parser.add_argument("--repeats", type=int, default=1, help="measurements per side (1)")
+    parser.add_argument("--output", default="ab_instructions", help="results/<name>.json")
     parser.add_argument("--worker", nargs=2, metavar=("LAYOUT", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -115,7 +116,7 @@ def main():
         ("head", "head instr/token", "{:,}"), ("ratio", "head/base", "{:.3f}"),
         ("spread", "spread", "{:.2%}"),
     ])
-    path = save("ab_instructions", {"machine": machine(), "trees": {k: str(v) for k, v in trees.items()},
+    path = save(args.output, {"machine": machine(), "trees": {k: str(v) for k, v in trees.items()},
                                     "tokens": args.tokens, "requests": REQUESTS, "config": CONFIG,
                                     "rows": rows})
     print(f"saved {path}")
