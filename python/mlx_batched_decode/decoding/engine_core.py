@@ -1,8 +1,8 @@
 """``EngineCore``: one model's scheduler, runner and KV layouts, stepped together.
 
-The interface a server (or ``BatchedDecoder``) drives: ``add_request`` / ``finish`` from any
-caller on the engine's thread, then ``step`` (or ``schedule`` and ``run``, with the plan in
-between for tensor-parallel followers, which execute the same plans on their own runner). Each
+The interface a server (or ``BatchedDecoder``) drives from the engine's thread: ``add_request``
+and ``finish``, then ``schedule`` and ``run`` for each step (the plan in between goes to
+tensor-parallel followers, which execute the same plans on their own runner). Each
 ``StepResult`` says what every request emitted, which finished and why, and the counts a
 server reports; nothing else of the engine needs to be read.
 
@@ -138,13 +138,6 @@ class EngineCore:
         self.runner.forget(result.finished)
         result.draft_tokens, result.accepted_tokens = output.draft_tokens, output.accepted_tokens
         return result
-
-    def step(self, sampler: Optional[Sampler] = None) -> StepResult:
-        """One step for every running request; ``ValueError`` when none runs or waits."""
-        plan = self.schedule()
-        if plan is None:
-            raise ValueError("[BatchedDecoder] step() needs at least one active request")
-        return self.run(plan, sampler)
 
     @property
     def has_requests(self) -> bool:

@@ -67,10 +67,6 @@ class StepPlan:
     block_tables: Optional[list[list[int]]] = None
 
     @property
-    def batch_size(self) -> int:
-        return len(self.uids)
-
-    @property
     def fed_prompts(self) -> bool:
         """Whether the step feeds prompt tokens."""
         return any(self.chunks)

@@ -68,9 +68,9 @@ class Scheduler:
         self.waiting.append(request)
         self._admit_waiting()
 
-    def add_running(self, request: Request) -> int:
+    def add_running(self, request: Request) -> None:
         """Give ``request`` (whose first ``num_cached`` positions the caller stores) a row at
-        once, past any waiting request; returns its row. ``ValueError`` when none is free."""
+        once, past any waiting request; ``ValueError`` when none is free."""
         if self.max_batch_size is not None and len(self.running) >= self.max_batch_size:
             raise ValueError(
                 f"[BatchedDecoder] all {self.max_batch_size} rows are taken: a prefilled "
@@ -78,16 +78,15 @@ class Scheduler:
             )
         if self.layout.admit(request) is None:
             raise ValueError("[BatchedDecoder] the KV layout has no room for this request now")
-        return self._start(request, 0)
+        self._start(request, 0)
 
-    def _start(self, request: Request, hit: int) -> int:
+    def _start(self, request: Request, hit: int) -> None:
         """``request`` takes the next row, ``hit`` of its prompt tokens cached already."""
         row = len(self.running)
         request.status = RequestStatus.PREFILLING
         request.prefix_hit_tokens = hit
         self.running.append(request)
         self._row_changes.append(Admission(request.uid, row, request.sampler))
-        return row
 
     def _admit_waiting(self) -> None:
         """Give waiting requests rows, first come first, while ``max_batch_size`` and the

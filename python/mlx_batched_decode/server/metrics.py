@@ -20,11 +20,11 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.running = Gauge(
-            "mbd_num_requests_running", "Requests the decoder holds (prefilling or decoding)",
+            "mbd_num_requests_running", "Requests holding a row (prefilling or decoding)",
             registry=r,
         )
         self.waiting = Gauge(
-            "mbd_num_requests_waiting", "Requests accepted and queued for the decoder", registry=r
+            "mbd_num_requests_waiting", "Requests in the engine's waiting queue", registry=r
         )
         self.kv_usage = Gauge(
             "mbd_kv_cache_usage",
