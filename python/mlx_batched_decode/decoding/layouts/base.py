@@ -5,7 +5,7 @@ capacity, ``admit`` it (with the prompt tokens its cached prefix already holds),
 ``register`` its written prompt blocks, ``prepare`` a plan (paged: the rows' block tables) and
 report its ``usage``. The runner's: apply a plan's ``releases`` and ``admissions`` to the rows,
 build the step's one context and run the model's forward pass over it (``forward``), each layer
-reading its cache through its attention path (``layers``), and hand out every buffer a step
+reading its cache through its attention path (``attentions``), and hand out every buffer a step
 writes (``cache_arrays``). The model's family code is routed once here: which of its modules
 call mlx-lm's attention, each layer's window and MLA widths.
 
@@ -34,7 +34,11 @@ class KVLayout(ABC):
 
     Args:
         model: the mlx-lm model.
+
+    A layout sets ``attentions``, each layer's attention path, when it is made.
     """
+
+    attentions: list[DecodeAttention]
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -74,11 +78,6 @@ class KVLayout(ABC):
 
     # -- the runner's side --------------------------------------------------------------------
 
-    @property
-    @abstractmethod
-    def layers(self) -> list[tuple[Any, DecodeAttention]]:
-        """Each layer's cache (what the context's ``layer_caches`` holds) and attention path."""
-
     @abstractmethod
     def release(self, row: int, last: int, length: int) -> None:
         """Row ``row``'s request left: row ``last``'s (``length`` positions cached) moves
@@ -117,8 +116,8 @@ class KVLayout(ABC):
         rows ``logit_rows``; every token's keys/values written."""
         context = self.context(plan, seq_lens, query_lens, first_chunks)
         return routed_forward(
-            self.model, tokens, context, [attention for _, attention in self.layers],
-            self.windows, self.routed_modules, logit_rows, self.latents,
+            self.model, tokens, context, self.attentions, self.windows, self.routed_modules,
+            logit_rows, self.latents,
         )
 
     def vocab_size(self) -> int:

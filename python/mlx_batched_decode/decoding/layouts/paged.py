@@ -10,12 +10,11 @@ alone; every layer attends with ``paged_decode_attention``. Nothing moves when a
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...attention.base import DecodeAttention
 from ...attention.paged import PagedAttention
 from ...caches.context import BatchedDecodeContext
 from ...caches.paged_kv_cache import PagedKVCache
@@ -57,11 +56,7 @@ class PagedLayout(KVLayout):
             max_cached_blocks=max_cached_blocks,
             prefix_sharing=prefix_sharing,
         )
-        self._layers = [(self.cache, PagedAttention())] * self.num_layers
-
-    @property
-    def layers(self) -> list[tuple[Any, DecodeAttention]]:
-        return self._layers
+        self.attentions = [PagedAttention()] * self.num_layers
 
     # -- the scheduler's side -----------------------------------------------------------------
 

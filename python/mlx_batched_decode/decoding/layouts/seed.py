@@ -7,12 +7,11 @@ the design of DESIGN.md section 1 that the slot layout replaces.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...attention.base import DecodeAttention
 from ...attention.seed import SeedAttention
 from ...caches.kv_cache import ContiguousKVCache
 from ...caches.context import BatchedDecodeContext
@@ -35,14 +34,9 @@ class SeedLayout(KVLayout):
                 "on the slot path (or kv_layout='paged'), not attention='seed'"
             )
         self.kv_step = kv_step
-        attention = SeedAttention()
-        self._layers = [(None, attention)] * self.num_layers
+        self.attentions = [SeedAttention()] * self.num_layers
         # rows[b][layer]: request b's own cache of that layer.
         self.rows: list[list[ContiguousKVCache]] = []
-
-    @property
-    def layers(self) -> list[tuple[Any, DecodeAttention]]:
-        return self._layers
 
     def load(self, row: int, layers_kv: Optional[Sequence[tuple[mx.array, mx.array]]]) -> None:
         if layers_kv is not None and len(layers_kv) != self.num_layers:

@@ -18,19 +18,17 @@ after rejected tokens (``s' - window + 1`` on).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...attention.base import DecodeAttention
 from ...attention.ring import RingSlotAttention
 from ...attention.slot import QuantizedSlotAttention, SlotAttention
 from ...caches.kv_cache import SlotKVCache
 from ...caches.context import BatchedDecodeContext
 from ...caches.quantized_kv_cache import QuantizedSlotKVCache
 from ...caches.ring_kv_cache import RingSlotKVCache
-from ..plan import StepPlan
 from .base import KVLayout
 
 # A layer's cache in the slot layout.
@@ -60,29 +58,20 @@ class SlotLayout(KVLayout):
         self.ring_sizes: list[int] = []
         if kv_bits is not None:
             self._check_group_size()
-            quantized = QuantizedSlotAttention(kv_group_size, kv_bits)
-            self._layers: list[tuple[Any, DecodeAttention]] = [
-                (QuantizedSlotKVCache(kv_group_size, kv_bits, kv_step), quantized)
+            # Each layer's slot cache, and its attention path.
+            self.caches: list[SlotCache] = [
+                QuantizedSlotKVCache(kv_group_size, kv_bits, kv_step)
                 for _ in range(self.num_layers)
             ]
+            self.attentions = [QuantizedSlotAttention(kv_group_size, kv_bits)] * self.num_layers
             return
         full = SlotAttention()
         rings = [None if w is None else w + lookahead for w in self.windows]
         self.ring_sizes = sorted({r for r in rings if r is not None})
-        self._layers = [
-            (SlotKVCache(kv_step), full) if r is None
-            else (RingSlotKVCache(r, kv_step), RingSlotAttention(r))
-            for r in rings
+        self.caches = [
+            SlotKVCache(kv_step) if r is None else RingSlotKVCache(r, kv_step) for r in rings
         ]
-
-    @property
-    def layers(self) -> list[tuple[Any, DecodeAttention]]:
-        return self._layers
-
-    @property
-    def caches(self) -> list[SlotCache]:
-        """Each layer's slot cache."""
-        return [cache for cache, _ in self._layers]
+        self.attentions = [full if r is None else RingSlotAttention(r) for r in rings]
 
     def _check_group_size(self) -> None:
         """ValueError unless ``kv_group_size`` divides every layer's key and value head dims
