@@ -63,28 +63,27 @@ class TextStream:
         if self.matcher.advance(token):
             finish = "stop"
         if finish == "stop":
-            # The stop token's text is never shown; what the state machine holds back goes.
+            return self._stop()
+        self.detokenizer.add_token(token)
+        if finish == "length":
             self.detokenizer.finalize()
-            self.state, current = TextStateMachine.discard(self.state)
-            segments = [(current, "")]
-        else:
-            self.detokenizer.add_token(token)
-            if finish == "length":
-                self.detokenizer.finalize()
-            self.state, segments = TextStateMachine.split(
-                self.state, self.detokenizer.last_segment
-            )
-            if finish == "length":
-                self.state, flushed, current = TextStateMachine.flush(self.state)
-                segments.append((current, flushed))
+        self.state, segments = TextStateMachine.split(self.state, self.detokenizer.last_segment)
+        if finish == "length":
+            self.state, flushed, current = TextStateMachine.flush(self.state)
+            segments.append((current, flushed))
         return self._piece(segments, finish)
 
     def end_of_sequence(self) -> Piece:
         """The request ended at an end-of-sequence token, which the engine does not emit: it
-        counts and ends the text as ``feed`` would have (what is held back is dropped)."""
+        counts and ends the text as ``feed`` would have."""
+        self.tokens += 1
+        return self._stop()
+
+    def _stop(self) -> Piece:
+        """The last piece at a stop token: its text is never shown, and what the state machine
+        holds back goes."""
         from mlx_lm.generate import TextStateMachine
 
-        self.tokens += 1
         self.detokenizer.finalize()
         self.state, current = TextStateMachine.discard(self.state)
         return self._piece([(current, "")], "stop")
