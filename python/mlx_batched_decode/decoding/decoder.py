@@ -179,18 +179,6 @@ class BatchedDecoder:
         per layer ``[1, H_kv, len(prompt) - 1, D]`` (RoPE applied, unquantized), the draft
         model's in ``draft_keys_values``. The next step feeds the last token alone. Slot
         layout only (a cache saved earlier, or a benchmark's seeded contexts)."""
-        if self.config.cache.kv_layout == "paged":
-            raise ValueError("[BatchedDecoder] add_prefilled_request needs kv_layout='slot'")
-        if (draft_keys_values is None) != (self.draft_model is None):
-            raise ValueError(
-                "[BatchedDecoder] pass draft_keys_values exactly when decoding with a draft model"
-            )
-        lengths = {kv[0].shape[2] for kv in [*keys_values, *(draft_keys_values or ())]}
-        if len(prompt) == 0 or lengths != {len(prompt) - 1}:
-            raise ValueError(
-                f"[BatchedDecoder] the keys/values must hold the {len(prompt) - 1} positions "
-                f"before the prompt's last token, got {sorted(lengths)}"
-            )
         arrived = time.perf_counter()
         uid = self.core.add_prefilled_request(
             prompt, max_tokens, keys_values, draft_keys_values, stop_tokens=stop_tokens

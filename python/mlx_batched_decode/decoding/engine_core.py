@@ -112,7 +112,21 @@ class EngineCore:
         stop_tokens: Iterable[int] = (),
     ) -> int:
         """As ``add_request``, running at once with the keys/values of all but the prompt's
-        last token stored (``BatchedDecoder.add_prefilled_request``)."""
+        last token stored (``BatchedDecoder.add_prefilled_request``); ``ValueError`` before
+        anything is stored for keys/values of other lengths, draft keys/values given or missing
+        against the draft model, or the paged layout."""
+        if self.config.cache.kv_layout == "paged":
+            raise ValueError("[BatchedDecoder] add_prefilled_request needs kv_layout='slot'")
+        if (draft_keys_values is None) != (self.runner.draft is None):
+            raise ValueError(
+                "[BatchedDecoder] pass draft_keys_values exactly when decoding with a draft model"
+            )
+        lengths = {kv[0].shape[2] for kv in [*keys_values, *(draft_keys_values or ())]}
+        if len(prompt) == 0 or lengths != {len(prompt) - 1}:
+            raise ValueError(
+                f"[BatchedDecoder] the keys/values must hold the {len(prompt) - 1} positions "
+                f"before the prompt's last token, got {sorted(lengths)}"
+            )
         request = self._request(prompt, max_tokens, stop_tokens, None)
         request.num_cached = len(request.prompt) - 1
         self.scheduler.add_running(request)

@@ -2,8 +2,8 @@
 
 ``StepPlan`` is what the scheduler decides for one step and the runner executes: which request
 sits in which row, the tokens each row feeds, which rows sample, what the layouts must do first
-(rows to release and compact, requests to load) and reserve. Plain ints and lists only, so that it can be
-sent to tensor-parallel followers as it is. ``StepResult`` is what the scheduler's ``update``
+(rows to release and compact, requests to load) and reserve. Plain ints and lists only, so that
+it can be sent to tensor-parallel followers as it is. ``StepResult`` is what the scheduler's ``update``
 reports: the tokens each request emitted, the requests that finished and why, and a
 ``Snapshot`` of the counts a server shows.
 """

@@ -26,6 +26,10 @@ from .sampling import Sampler, sample_rows
 from .speculative import accepted_length, draft_proposals
 
 
+# One layer's keys and values, as ``KVLayout.load`` takes them.
+KeysValues = tuple[mx.array, mx.array]
+
+
 class RunnerOutput(NamedTuple):
     """Each row's new tokens (``None``: it emits none), and the draft tokens proposed and
     accepted in the step."""
@@ -73,7 +77,7 @@ class ModelRunner:
     def apply(
         self,
         row_changes: Sequence[Union[Release, Admission]],
-        loads: Optional[Mapping[int, Sequence[Optional[Sequence[tuple[mx.array, mx.array]]]]]] = None,
+        loads: Optional[Mapping[int, Sequence[Optional[Sequence[KeysValues]]]]] = None,
     ) -> None:
         """Releases and admissions, in order, on every layout; ``loads[uid]``: an admitted
         request's first positions, one ``KVLayout.load`` argument per layout."""

@@ -96,11 +96,11 @@ class Engine:
         max_queue: int,
         lockstep: Optional[Lockstep] = None,
     ):
-        if core.scheduler.max_batch_size is None:
+        self.max_batch_size = core.config.scheduler.max_batch_size
+        if self.max_batch_size is None:
             raise ValueError("[Engine] the engine's scheduler needs a max_batch_size")
         self.core = core
         self.metrics = metrics
-        self.max_batch_size = core.scheduler.max_batch_size
         self.max_queue = max_queue
         self.lockstep = lockstep
         self._lock = threading.Lock()
@@ -259,7 +259,9 @@ class Engine:
                 submission.cached_tokens = request.prefix_hit_tokens
         self._end(submission, reason, error)
 
-    def _end(self, submission: Submission, reason: FinishReason, error: Optional[str] = None) -> None:
+    def _end(
+        self, submission: Submission, reason: FinishReason, error: Optional[str] = None
+    ) -> None:
         if submission.ended:
             return
         submission.ended = True
