@@ -120,8 +120,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's configs from the flags; ``SystemExit`` with the configs' one message for a
     bad value or combination."""
     try:
-        if args.max_batch_size is None:
-            raise ValueError("--max-batch-size must be given: the server bounds its batch")
         return EngineConfig(
             from_flags(CacheConfig, args),
             from_flags(SchedulerConfig, args),
