@@ -10,8 +10,9 @@ and ``make_sampler``) for every row at once:
 2. ``logprobs = processed - logsumexp(processed)`` (what the request's logprobs report);
 3. greedy rows take the argmax; the others truncate the logprobs in mlx-lm's order top-p,
    min-p, XTC, top-k, and take the Gumbel-max of the truncated logprobs over the temperature,
-   the noise (and XTC's draw) of a seeded row from its own keys, of the others from MLX's
-   global random state.
+   the noise (and XTC's draw, taken first) of a seeded row from its own keys, of the others
+   from MLX's global random state. Top-k keeps every token tied with the k-th; a top-k of V
+   or more keeps all (mlx-lm refuses it).
 
 Each stage runs only when some row of the step uses it.
 
