@@ -54,6 +54,11 @@ script exits with status 1 after saving. Results: ``results/server_burst.json``.
     python benchmarks/bench_server.py --arrivals           # burst, trace, flags (about 15 minutes)
     python benchmarks/bench_server.py --arrivals --native-only   # native burst and trace only
     python benchmarks/bench_server.py --burst --rounds 3   # the server tests' burst (about a minute)
+    python benchmarks/bench_server.py --features --rounds 3   # request fields' costs (``server_features.py``)
+
+With ``--features`` it measures what sampling knobs, prompt logprobs and ``n`` cost the native
+server's engine, each against its plain twin in the same run (``server_features.py``; ``--vocab``
+for a larger vocabulary than the model's 1,024). Results: ``results/server_features.json``.
 """
 
 import argparse
@@ -127,6 +132,10 @@ def _parse_args():
                              "(no mlx_lm.server, no ratios to it; for A/B runs of this package)")
     parser.add_argument("--output", help="results/<name>.json (default server, with --arrivals "
                         "server_arrivals, with --burst server_burst)")
+    parser.add_argument("--features", action="store_true",
+                        help="what sampling knobs, prompt logprobs and n cost the engine")
+    parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"],
+                        help="the model's vocabulary with --features")
     parser.add_argument("--burst", action="store_true",
                         help="the server tests' burst of clients, each server started afresh")
     return parser.parse_args()
@@ -418,8 +427,40 @@ def main_burst(args):
     return 0
 
 
+def main_features(args):
+    import server_features
+
+    rows = server_features.run(args.rounds, args.vocab, args.seed)
+    print(
+        f"the native server's engine, in process; model: {CONFIG['num_hidden_layers']}-layer "
+        f"Llama, hidden {CONFIG['hidden_size']}, vocabulary {args.vocab}, float32; median of "
+        f"{args.rounds} alternating rounds"
+    )
+    print_table(
+        rows,
+        [
+            ("case", "case", "{}"),
+            ("with_s", "with (s)", "{:.4f}"),
+            ("without_s", "plain twin (s)", "{:.4f}"),
+            ("ratio", "ratio", "{:.3f}x"),
+            ("prompt_tokens_fed", "prompt fed, n=4", "{}"),
+            ("prompt_tokens_fed_n1", "prompt fed, n=1", "{}"),
+        ],
+    )
+    print("knobs: a decode step of 32 requests with their own seed, top_k, min_p, penalties and "
+          "logit_bias / 32 greedy; prompt logprobs: time to first token of a 1,024-token prompt "
+          "with / without; n: time to all 4 choices' first tokens / n=1")
+    path = save(args.output or "server_features",
+                {"machine": machine(), "config": dict(CONFIG, vocab_size=args.vocab),
+                 "args": vars(args), "rows": rows})
+    print(f"saved {path}")
+    return 0
+
+
 def main():
     args = _parse_args()
+    if args.features:
+        return main_features(args)
     if args.arrivals:
         return main_arrivals(args)
     if args.burst:
