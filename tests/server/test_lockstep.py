@@ -17,6 +17,7 @@ from mlx_batched_decode.decoding.sampling import Sampler  # noqa: E402
 from mlx_batched_decode.server.engine import Engine  # noqa: E402
 from mlx_batched_decode.server.lockstep import decode, encode, follow  # noqa: E402
 from mlx_batched_decode.server.metrics import ServerMetrics  # noqa: E402
+from mlx_batched_decode.server.text_stream import TextStream  # noqa: E402
 from tests.server.test_engine import TIMEOUT_S, drain, loaded, submission  # noqa: E402, F401
 
 
@@ -101,10 +102,10 @@ def test_a_follower_executing_the_plans_takes_the_same_steps(loaded, layout, mon
         engine.start()
         # Uneven lengths, a stop string, a cancel mid-run: rows join and leave at every turn.
         subs = [submission(tokenizer, [9 + i, 10, 11][: 1 + i % 3], 4 + 3 * i) for i in range(4)]
-        subs[1].stream = type(subs[1].stream)(tokenizer, [tokenizer.decode([20])], 7)
+        subs[1].choices[0].stream = TextStream(tokenizer, [tokenizer.decode([20])], 7)
         long = submission(tokenizer, [30, 31], 10_000)
         for sub in [long, *subs]:
-            engine.submit(sub)
+            engine.submit([sub])
         await asyncio.wait_for(long.pieces.get(), TIMEOUT_S)
         engine.cancel(long)
         for sub in subs:
