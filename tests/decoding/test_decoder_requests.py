@@ -136,7 +136,7 @@ class RowSpy(Sampler):
 def test_sample_rows_puts_each_samplers_rows_back_in_place():
     logits = mx.random.normal((5, 11), key=mx.random.key(0))
     greedy, sevens = RowSpy(), RowSpy(token=7)
-    chosen = sample_rows([sevens, greedy, sevens, greedy, greedy], logits)
+    chosen = sample_rows([sevens, greedy, sevens, greedy, greedy], logits).tokens
     argmax = mx.argmax(logits, axis=-1).tolist()
     assert chosen.tolist() == [7, argmax[1], 7, argmax[3], argmax[4]]
     assert (greedy.rows, sevens.rows) == (3, 2)

@@ -117,7 +117,7 @@ class ModelRunner:
             # Only chunks that end no prompt: their keys/values are the step's whole output.
             mx.eval(outputs)
             return RunnerOutput([None] * len(counts))
-        sampled = sample_rows(row_samplers, logits)
+        sampled = sample_rows(row_samplers, logits).tokens
         mx.eval(sampled, outputs, *([] if proposal is None else [proposal]))
         sampled = sampled.tolist()
         proposed = [] if proposal is None or not k else proposal.tolist()

@@ -1,36 +1,48 @@
 """Choosing each row's next token from a step's logits, every row in one batched pass.
 
-A request's ``Sampler`` holds its knobs (``temperature``, ``top_p``) and, with a ``seed``, its
-own random stream, so that its tokens do not depend on the requests beside it. ``sample_rows``
-turns the step's samplers into per-row arrays and samples every row at once: greedy rows take
-the argmax, the others the Gumbel-max of their tempered, top-p-truncated logits, the noise of
-a seeded row drawn from its own key (one ``vmap`` over the keys) and of the others from MLX's
-global random state.
+A request's ``Sampler`` holds its ``SamplingParams`` and, with a seed, its own random stream,
+so that its tokens do not depend on the requests beside it. ``sample_rows`` turns the step's
+knobs into per-row arrays and follows mlx-lm (``generate_step`` with ``make_logits_processors``
+and ``make_sampler``) for every row at once:
 
-Dimension legend: R = logit rows of a step, V = vocabulary size.
+1. processors on the float32 logits: ``logit_bias``, then the repetition, presence and
+   frequency penalties, each over its own window of the row's context;
+2. ``logprobs = processed - logsumexp(processed)`` (what the request's logprobs report);
+3. greedy rows take the argmax; the others truncate the logprobs in mlx-lm's order top-p,
+   min-p, XTC, top-k, and take the Gumbel-max of the truncated logprobs over the temperature,
+   the noise (and XTC's draw) of a seeded row from its own keys, of the others from MLX's
+   global random state.
+
+Each stage runs only when some row of the step uses it.
+
+Dimension legend: R = logit rows of a step, V = vocabulary size, C = context columns,
+K = top logprobs reported, P = prompt positions.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import math
+from dataclasses import fields
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 
+from .sampling_params import SamplingParams
+
 
 class Sampler:
-    """Greedy (``temperature == 0``, the default) or temperature sampling with optional top-p.
+    """A request's ``SamplingParams`` and its random stream.
 
     Args:
-        temperature: divides the logits before sampling; 0 picks the argmax.
-        top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p``
-            (1.0 keeps all).
-        seed: the request's own random stream (the same tokens alone or in any batch, for the
-            same schedule of its own steps); ``None`` uses MLX's global random state.
+        temperature, top_p, seed: as ``SamplingParams`` (``seed``: the request's own random
+            stream, the same tokens alone or in any batch for the same schedule of its own
+            steps; ``None`` uses MLX's global random state).
         stream: which of the seed's streams (requests sharing one seed each take their own).
+        **knobs: the other ``SamplingParams`` fields (``logit_bias`` may be a mapping).
 
     A subclass that overrides ``__call__`` chooses its rows' tokens itself: ``sample_rows``
-    calls it once per step with its rows (a test's spy); every plain ``Sampler`` is sampled
-    in the one batched pass.
+    calls it once per step with its rows' processed logits (a test's spy); every plain
+    ``Sampler`` is sampled in the one batched pass.
     """
 
     def __init__(
@@ -39,23 +51,28 @@ class Sampler:
         top_p: float = 1.0,
         seed: Optional[int] = None,
         stream: int = 0,
+        **knobs,
     ):
-        if temperature < 0:
-            raise ValueError(f"[Sampler] temperature must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"[Sampler] top_p must be in (0, 1], got {top_p}")
-        self.temperature = temperature
-        self.top_p = top_p
-        self.seed = seed
+        self.params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, **knobs)
+        if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+            raise ValueError(f"stream must be an integer >= 0, got {stream!r}")
         self.stream = stream
         self._key = None
-        if seed is not None:
-            key = mx.random.key(seed)
+        if self.seed is not None:
+            key = mx.random.key(self.seed)
             self._key = mx.random.split(key, stream + 1)[stream] if stream else key
+        # The vocabulary size its token ids were last checked against.
+        self._vocab = None
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+    @classmethod
+    def from_params(cls, params: SamplingParams, stream: int = 0) -> "Sampler":
+        knobs = {f.name: getattr(params, f.name) for f in fields(params)}
+        return cls(stream=stream, **knobs)
+
+    temperature = property(lambda self: self.params.temperature)
+    top_p = property(lambda self: self.params.top_p)
+    seed = property(lambda self: self.params.seed)
+    greedy = property(lambda self: self.params.greedy)
 
     def next_key(self) -> Optional[mx.array]:
         """The next key of its own stream (``None`` without a seed)."""
@@ -64,22 +81,180 @@ class Sampler:
         self._key, key = mx.random.split(self._key)
         return key
 
-    def __call__(self, logits: mx.array) -> mx.array:
-        """``logits [R, V]`` -> int32 token ids ``[R]``, every row with these knobs."""
-        return _sample([self] * logits.shape[0], logits)
+    def check_vocab(self, vocab_size: int) -> None:
+        """``SamplingParams.check_vocab``, once per vocabulary size."""
+        if self._vocab != vocab_size:
+            self.params.check_vocab(vocab_size)
+            self._vocab = vocab_size
+
+    def __call__(self, logits: mx.array, contexts: Optional[mx.array] = None) -> mx.array:
+        """``logits [R, V]`` (and ``contexts``, as ``sample_rows``) -> int32 token ids
+        ``[R]``, every row with these knobs."""
+        self.check_vocab(logits.shape[-1])
+        samplers = [self] * logits.shape[0]
+        processed = _process([self.params] * logits.shape[0], logits, contexts)
+        return _choose(samplers, processed, _log_softmax(processed))
+
+
+class Sampled(NamedTuple):
+    """A step's choices: ``tokens`` int32 ``[R]``; with some row asking for logprobs,
+    ``logprobs`` float32 ``[R]`` (each chosen token's) and, when some row asks for K > 0 top
+    logprobs, ``top_ids`` int32 ``[R, K]`` and ``top_logprobs`` float32 ``[R, K]``, best first
+    (K the most any row asks, at most V; rows asking fewer use their first entries)."""
+
+    tokens: mx.array
+    logprobs: Optional[mx.array] = None
+    top_ids: Optional[mx.array] = None
+    top_logprobs: Optional[mx.array] = None
 
 
 def _custom(sampler: Sampler) -> bool:
     return type(sampler).__call__ is not Sampler.__call__
 
 
-def sample_rows(samplers: Sequence[Sampler], logits: mx.array) -> mx.array:
-    """``logits [R, V]``, row ``r`` chosen by ``samplers[r]`` -> int32 token ids ``[R]``: one
-    batched pass over the plain samplers' rows (per-row knobs as arrays), and one call of each
-    custom sampler (``Sampler``'s docstring) over its own rows."""
+def sample_rows(
+    samplers: Sequence[Sampler], logits: mx.array, contexts: Optional[mx.array] = None
+) -> Sampled:
+    """Row ``r`` of ``logits [R, V]`` chosen by ``samplers[r]``.
+
+    ``contexts``: int32 ``[R, C]``, row r's last C context tokens (prompt then generated
+    tokens, the token fed at that row last), left-padded with -1; each penalty reads the last
+    columns of its own context size (all C for a size of 0). Needed only when some sampler
+    penalizes. One batched pass over the plain samplers' rows (per-row knobs as arrays), and
+    one call of each custom sampler (``Sampler``'s docstring) over its own rows.
+    """
+    vocab = logits.shape[-1]
+    for sampler in samplers:
+        sampler.check_vocab(vocab)
+    params = [s.params for s in samplers]
+    processed = _process(params, logits, contexts)
+    # Lazy: computed only where a sampled row or a logprobs report reads it.
+    logprobs = _log_softmax(processed)
+    tokens = _choose_all(samplers, processed, logprobs)
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    if not asked:
+        return Sampled(tokens)
+    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return Sampled(tokens, chosen, *_top(logprobs, max(asked)))
+
+
+def prompt_logprobs(
+    logits: mx.array, targets: mx.array, k: int
+) -> tuple[mx.array, Optional[mx.array], Optional[mx.array]]:
+    """Raw ``logits [P, V]`` (no processors) and int32 ``targets [P]`` -> the targets'
+    float32 logprobs ``[P]``, and the ``k`` most likely tokens' int32 ids ``[P, k]`` and
+    float32 logprobs ``[P, k]``, best first (``None`` for ``k == 0``)."""
+    logprobs = _log_softmax(logits)
+    chosen = mx.take_along_axis(logprobs, targets.astype(mx.int32)[:, None], axis=-1)[:, 0]
+    return (chosen, *_top(logprobs, k))
+
+
+def _log_softmax(logits: mx.array) -> mx.array:
+    """float32 ``logits - logsumexp(logits)`` over the last axis, its sum in blocks."""
+    logits = logits.astype(mx.float32)
+    shifted = logits - mx.max(logits, axis=-1, keepdims=True)
+    return shifted - mx.log(_blocked_sum(mx.exp(shifted)))
+
+
+_BLOCK = 256
+
+
+def _blocked_sum(values: mx.array) -> mx.array:
+    """``values [R, V]`` summed over V ``[R, 1]``: blocks of ``_BLOCK`` columns first, then
+    their sums (a CPU sum runs in one sequence, off by 3e-5 for V = 32000 in float32)."""
+    whole = values.shape[-1] - values.shape[-1] % _BLOCK
+    if whole == 0:
+        return values.sum(axis=-1, keepdims=True)
+    rows = values.shape[0]
+    total = values[:, :whole].reshape(rows, -1, _BLOCK).sum(axis=-1).sum(axis=-1, keepdims=True)
+    if whole < values.shape[-1]:
+        total = total + values[:, whole:].sum(axis=-1, keepdims=True)
+    return total
+
+
+def _top(logprobs: mx.array, k: int) -> tuple[Optional[mx.array], Optional[mx.array]]:
+    """The ``k`` (at most V) largest of ``logprobs [R, V]``: int32 ids and their values
+    ``[R, k]``, best first; ``(None, None)`` for ``k == 0``."""
+    k = min(k, logprobs.shape[-1])
+    if k == 0:
+        return None, None
+    # A partition finds the k, a sort of k columns orders them.
+    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    values = mx.take_along_axis(logprobs, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    ids = mx.take_along_axis(ids, order, axis=-1).astype(mx.int32)
+    return ids, mx.take_along_axis(values, order, axis=-1)
+
+
+def _process(
+    params: Sequence[SamplingParams], logits: mx.array, contexts: Optional[mx.array]
+) -> mx.array:
+    """``logits [R, V]`` after each row's logit bias and penalties (float32), or ``logits``
+    itself when no row has any."""
+    bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
+    windows = [p.penalty_windows() for p in params]
+    if not bias and not any(windows):
+        return logits
+    x = logits.astype(mx.float32)
+    rows, vocab = x.shape
+    if bias:
+        r, t, b = zip(*bias)
+        x = x.at[mx.array(r), mx.array(t)].add(mx.array(b, dtype=mx.float32))
+    if not any(windows):
+        return x
+    if contexts is None:
+        raise ValueError("sample_rows: a sampler penalizes repetitions but no contexts were given")
+    counts = _Counts(contexts, vocab)
+
+    def factors(kind, off):
+        return mx.array([getattr(p, f"{kind}_penalty") if kind in w else off
+                         for p, w in zip(params, windows)], dtype=mx.float32)[:, None]
+
+    def used(kind):
+        return any(kind in w for w in windows)
+
+    if used("repetition"):
+        penalty = factors("repetition", 1.0)
+        seen = counts([w.get("repetition") for w in windows]) > 0
+        x = mx.where(seen, mx.where(x < 0, x * penalty, x / penalty), x)
+    if used("presence"):
+        seen = counts([w.get("presence") for w in windows]) > 0
+        x = x - factors("presence", 0.0) * seen
+    if used("frequency"):
+        x = x - factors("frequency", 0.0) * counts([w.get("frequency") for w in windows])
+    return x
+
+
+class _Counts:
+    """Per-row token counts over windows of ``contexts [R, C]`` (left-padded with -1), one
+    scatter-add per distinct set of windows."""
+
+    def __init__(self, contexts: mx.array, vocab: int):
+        self.contexts = contexts.astype(mx.int32)
+        self.vocab = vocab
+        self.made: dict[tuple, mx.array] = {}
+
+    def __call__(self, windows: Sequence[Optional[int]]) -> mx.array:
+        """float32 ``[R, V]``: row r's count of each token in its last ``windows[r]`` columns
+        (``None``: none, 0: all)."""
+        rows, columns = self.contexts.shape
+        sizes = tuple(0 if w is None else columns if w == 0 else min(w, columns) for w in windows)
+        if sizes not in self.made:
+            start = columns - mx.array(sizes, dtype=mx.int32)[:, None]
+            valid = (self.contexts >= 0) & (mx.arange(columns)[None, :] >= start)
+            tokens = mx.where(valid, self.contexts, 0)
+            self.made[sizes] = mx.zeros((rows, self.vocab), dtype=mx.float32).at[
+                mx.arange(rows)[:, None], tokens
+            ].add(valid.astype(mx.float32))
+        return self.made[sizes]
+
+
+def _choose_all(samplers: Sequence[Sampler], processed: mx.array, logprobs: mx.array) -> mx.array:
+    """int32 ``[R]``: the plain samplers' rows in one ``_choose``, each custom sampler's rows
+    in one call of its own."""
     custom = {id(s): s for s in samplers if _custom(s)}
     if not custom:
-        return _sample(samplers, logits)
+        return _choose(samplers, processed, logprobs)
     chosen = mx.zeros((len(samplers),), dtype=mx.int32)
     groups: dict[int, list[int]] = {}
     for row, sampler in enumerate(samplers):
@@ -88,49 +263,118 @@ def sample_rows(samplers: Sequence[Sampler], logits: mx.array) -> mx.array:
         index = mx.array(rows, dtype=mx.int32)
         sampler = custom.get(owner)
         picked = (
-            sampler(logits[index]) if sampler is not None
-            else _sample([samplers[r] for r in rows], logits[index])
+            sampler(processed[index]) if sampler is not None
+            else _choose([samplers[r] for r in rows], processed[index], logprobs[index])
         )
         chosen[index] = picked.astype(mx.int32)
     return chosen
 
 
-def _sample(samplers: Sequence[Sampler], logits: mx.array) -> mx.array:
-    """The batched pass of ``sample_rows`` over plain samplers."""
-    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
-    if all(s.greedy for s in samplers):
+def _choose(samplers: Sequence[Sampler], processed: mx.array, logprobs: mx.array) -> mx.array:
+    """The batched pass over plain samplers: ``processed [R, V]`` logits and their
+    ``logprobs [R, V]`` -> int32 tokens ``[R]``."""
+    greedy = mx.argmax(processed, axis=-1).astype(mx.int32)
+    live = [not s.greedy for s in samplers]
+    if not any(live):
         return greedy
-    temperatures = mx.array([s.temperature or 1.0 for s in samplers], dtype=mx.float32)
-    scaled = logits.astype(mx.float32) / temperatures[:, None]
-    if any(s.top_p < 1.0 for s in samplers):
-        top_p = mx.array([s.top_p for s in samplers], dtype=mx.float32)
-        order = mx.argsort(-scaled, axis=-1)
-        probs = mx.softmax(mx.take_along_axis(scaled, order, axis=-1), axis=-1)
-        # A token stays if the mass before it is below top_p: the most likely always stays.
-        keep = (mx.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-        # Back in vocabulary order, where each token meets its own noise whatever the knobs.
-        keep = mx.put_along_axis(mx.zeros(keep.shape, dtype=mx.bool_), order, keep, axis=-1)
-        scaled = mx.where(keep, scaled, -mx.inf)
-    choice = mx.argmax(scaled + _gumbel(samplers, logits.shape[-1]), axis=-1)
-    chosen = choice.astype(mx.int32)
-    if any(s.greedy for s in samplers):
-        is_greedy = mx.array([s.greedy for s in samplers])
-        chosen = mx.where(is_greedy, greedy, chosen)
+    # Greedy rows take their knobs' neutral values: their choice is the argmax anyway.
+    params = [s.params if on else _NEUTRAL for s, on in zip(samplers, live)]
+    masked = _truncate(samplers, params, logprobs)
+    temperatures = mx.array([p.temperature or 1.0 for p in params], dtype=mx.float32)[:, None]
+    noise = _noise(samplers, live, processed.shape[-1], mx.random.gumbel)
+    chosen = mx.argmax(masked / temperatures + noise, axis=-1).astype(mx.int32)
+    if not all(live):
+        chosen = mx.where(mx.array(live), chosen, greedy)
     return chosen
 
 
-def _gumbel(samplers: Sequence[Sampler], vocab: int) -> mx.array:
-    """float32 ``[R, V]`` Gumbel noise: a seeded row's from its own next key, the others' from
-    MLX's global random state (greedy rows take some too; their choice is the argmax)."""
-    keys = [None if s.greedy else s.next_key() for s in samplers]
+def _truncate(
+    samplers: Sequence[Sampler], params: Sequence[SamplingParams], logprobs: mx.array
+) -> mx.array:
+    """``logprobs [R, V]`` with -inf for the tokens row r's ``params[r]`` rules out, in
+    mlx-lm's order: top-p, min-p, XTC (drawing from ``samplers[r]``'s stream), top-k."""
+    vocab = logprobs.shape[-1]
+
+    def column(read: Callable[[SamplingParams], float]) -> mx.array:
+        return mx.array([read(p) for p in params], dtype=mx.float32)[:, None]
+
+    masked = logprobs
+    if any(p.top_p < 1.0 for p in params):
+        masked = _top_p(masked, column(lambda p: p.top_p))
+    if any(p.min_p > 0.0 for p in params):
+        # Tokens less likely than min_p times the most likely one go.
+        floor = column(lambda p: math.log(p.min_p) if p.min_p > 0 else -math.inf)
+        floor = mx.max(masked, axis=-1, keepdims=True) + floor
+        masked = mx.where(masked < floor, -mx.inf, masked)
+    if any(p.xtc_probability > 0.0 for p in params):
+        masked = _xtc(samplers, params, masked)
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        masked = _top_k(masked, top_k)
+    return masked
+
+
+_NEUTRAL = SamplingParams()
+
+
+def _top_p(logprobs: mx.array, top_p: mx.array) -> mx.array:
+    """mlx-lm's ``apply_top_p`` per row (``top_p [R, 1]``; 1 keeps all): in ascending order,
+    the tokens whose mass above reaches ``top_p`` of the total go."""
+    ascending = mx.sort(logprobs, axis=-1)
+    probs = mx.exp(ascending)
+    above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    total = above[:, :1] + probs[:, :1]
+    dropped = (above >= top_p * total).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(ascending, dropped, axis=-1)
+    threshold = mx.where(top_p < 1.0, threshold, -mx.inf)
+    return mx.where(logprobs < threshold, -mx.inf, logprobs)
+
+
+def _xtc(samplers: Sequence[Sampler], params: Sequence[SamplingParams], logprobs: mx.array) -> mx.array:
+    """mlx-lm's ``apply_xtc`` per row: with probability ``xtc_probability`` (a uniform draw,
+    from the row's own stream when seeded), every token above ``xtc_threshold`` but the
+    least likely of them goes, the row's ``xtc_special_tokens`` never."""
+    uses = [p.xtc_probability > 0.0 for p in params]
+    draws = _noise(samplers, uses, None, lambda shape, key=None: mx.random.uniform(shape=shape, key=key))
+    chance = mx.array([p.xtc_probability for p in params], dtype=mx.float32)
+    applied = mx.array(uses) & (draws <= chance)
+    threshold = mx.array([p.xtc_threshold for p in params], dtype=mx.float32)[:, None]
+    probs = mx.softmax(logprobs, axis=-1)
+    least = mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    remove = (probs > least) & applied[:, None]
+    special = [(r, t) for r, p in enumerate(params) if uses[r] for t in p.xtc_special_tokens]
+    if special:
+        rows, tokens = zip(*special)
+        kept = mx.zeros(logprobs.shape, dtype=mx.bool_)
+        kept[mx.array(rows), mx.array(tokens)] = True
+        remove = remove & ~kept
+    return mx.where(remove, -mx.inf, logprobs)
+
+
+def _top_k(logprobs: mx.array, top_k: Sequence[int]) -> mx.array:
+    """Row r keeps the tokens at least as likely as its ``top_k[r]``-th most likely (0: all),
+    found with a partition of the largest k and a sort of those k columns."""
+    most = max(top_k)
+    largest = -mx.partition(-logprobs, kth=most - 1, axis=-1)[:, :most]
+    descending = -mx.sort(-largest, axis=-1)
+    k = mx.array(top_k, dtype=mx.int32)[:, None]
+    threshold = mx.take_along_axis(descending, mx.maximum(k - 1, 0), axis=-1)
+    threshold = mx.where(k > 0, threshold, -mx.inf)
+    return mx.where(logprobs < threshold, -mx.inf, logprobs)
+
+
+def _noise(samplers: Sequence[Sampler], uses: Sequence[bool], vocab: Optional[int], draw) -> mx.array:
+    """float32 noise from ``draw`` (``mx.random.gumbel`` or ``uniform``), ``[R, V]`` (``[R]``
+    for ``vocab`` None): a row that ``uses`` it and is seeded draws from its own next key, the
+    others from MLX's global random state."""
+    keys = [s.next_key() if on else None for s, on in zip(samplers, uses)]
     seeded = [r for r, key in enumerate(keys) if key is not None]
+    shape = () if vocab is None else (vocab,)
     if not seeded:
-        return mx.random.gumbel((len(samplers), vocab))
-    own = mx.vmap(lambda key: mx.random.gumbel((vocab,), key=key))(
-        mx.stack([keys[r] for r in seeded])
-    )
+        return draw((len(samplers), *shape))
+    own = mx.vmap(lambda key: draw(shape, key=key))(mx.stack([keys[r] for r in seeded]))
     if len(seeded) == len(samplers):
         return own
-    noise = mx.random.gumbel((len(samplers), vocab))
+    noise = draw((len(samplers), *shape))
     noise[mx.array(seeded, dtype=mx.int32)] = own
     return noise

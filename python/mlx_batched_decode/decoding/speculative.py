@@ -64,7 +64,7 @@ def draft_proposals(
             plan.first_chunks if j == 0 else (),
         )
         if j < k and running:
-            tokens = sample_rows([samplers[b] for b in running], logits)
+            tokens = sample_rows([samplers[b] for b in running], logits).tokens
             # Start computing this draft token while the next pass's graph is built.
             mx.async_eval(tokens)
             drafts.append(tokens)
