@@ -151,6 +151,7 @@ class BatchedDecoder:
         *,
         stop_tokens: Iterable[int] = (),
         sampler: Optional[Sampler] = None,
+        prompt_logprobs: Optional[int] = None,
     ) -> int:
         """Queue ``prompt`` (token ids, at least one) and return the request's id at once.
 
@@ -158,13 +159,35 @@ class BatchedDecoder:
         its first token comes out of the step that feeds its prompt's last chunk. A request
         ``max_batch_size`` or the block budget cannot hold yet waits until it fits.
         ``sampler``: how this request chooses its tokens (default: the sampler ``step`` gets).
+        ``prompt_logprobs``: the steps report its prompt tokens' logprobs with the top k
+        (``StepResult.prompt_logprobs``); ``max_tokens`` 0 then asks for nothing else.
         ``ValueError`` as ``check_request`` says, before anything is queued.
         """
+        return self.add_choices(
+            prompt, max_tokens, [sampler], stop_tokens=stop_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )[0]
+
+    def add_choices(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        samplers: Sequence[Optional[Sampler]],
+        *,
+        stop_tokens: Iterable[int] = (),
+        prompt_logprobs: Optional[int] = None,
+    ) -> list[int]:
+        """As ``add_request``, one choice per sampler (their ids, in order): the prompt is fed
+        once and its keys/values shared by every choice (``EngineCore.add_choices``)."""
         arrived = time.perf_counter()
-        uid = self.core.add_request(prompt, max_tokens, stop_tokens=stop_tokens, sampler=sampler)
-        self.stats.requests[uid] = RequestTiming(arrived)
+        uids = self.core.add_choices(
+            prompt, max_tokens, samplers, stop_tokens=stop_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )
+        for uid in uids:
+            self.stats.requests[uid] = RequestTiming(arrived)
         self._count_blocks()
-        return uid
+        return uids
 
     def add_prefilled_request(
         self,

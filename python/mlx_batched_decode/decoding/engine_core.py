@@ -1,7 +1,8 @@
 """``EngineCore``: one model's scheduler, runner and KV layouts, stepped together.
 
 The interface a server (or ``BatchedDecoder``) drives from the engine's thread: ``add_request``
-and ``finish``, then ``schedule`` and ``run`` for each step (the plan in between goes to
+(or ``add_choices``: n choices of one prompt, fed once) and ``finish``, then ``schedule`` and
+``run`` for each step (the plan in between goes to
 tensor-parallel followers, which execute the same plans on their own runner). Each
 ``StepResult`` says what every request emitted, which finished and why, and the counts a
 server reports; nothing else of the engine needs to be read.
@@ -63,11 +64,19 @@ class EngineCore:
         self.runner = ModelRunner(target, draft)
         self.scheduler = Scheduler(scheduler, target, k, chunk_limit)
         self._next_uid = 0
+        self._vocab_size: Optional[int] = None
 
-    def check_request(self, prompt_len: int, max_tokens: int) -> None:
-        """``ValueError`` unless such a request can be served (``Scheduler.check``); reads only
-        the configuration, so any thread may call it."""
-        self.scheduler.check(prompt_len, max_tokens)
+    @property
+    def vocab_size(self) -> int:
+        """V, the logits one token gets (measured once)."""
+        if self._vocab_size is None:
+            self._vocab_size = self.runner.target.vocab_size()
+        return self._vocab_size
+
+    def check_request(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
+        """``ValueError`` unless such a request of ``n`` choices can be served
+        (``Scheduler.check``); reads only the configuration, so any thread may call it."""
+        self.scheduler.check(prompt_len, max_tokens, n)
 
     def _request(
         self,
@@ -76,7 +85,8 @@ class EngineCore:
         stop_tokens: Iterable[int],
         sampler: Optional[Sampler],
     ) -> Request:
-        self.check_request(len(prompt), max_tokens)
+        if sampler is not None:
+            sampler.params.check_vocab(self.vocab_size)
         request = Request(
             self._next_uid,
             [int(t) for t in prompt],
@@ -94,13 +104,43 @@ class EngineCore:
         *,
         stop_tokens: Iterable[int] = (),
         sampler: Optional[Sampler] = None,
+        prompt_logprobs: Optional[int] = None,
     ) -> int:
         """Queue ``prompt`` (token ids) and return its request id; the next steps admit it when
         there is room and feed its prompt in chunks. ``stop_tokens`` end it (the tokenizer's
-        end-of-sequence ids, say), ``sampler`` chooses its tokens (``None``: the step's)."""
-        request = self._request(prompt, max_tokens, stop_tokens, sampler)
-        self.scheduler.add(request)
-        return request.uid
+        end-of-sequence ids, say), ``sampler`` chooses its tokens (``None``: the step's);
+        ``max_tokens`` 0 ends it once its prompt is fed. ``prompt_logprobs``: report its prompt
+        tokens' logprobs with the top k (``StepResult.prompt_logprobs``)."""
+        return self.add_choices(
+            prompt, max_tokens, [sampler], stop_tokens=stop_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )[0]
+
+    def add_choices(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        samplers: Sequence[Optional[Sampler]],
+        *,
+        stop_tokens: Iterable[int] = (),
+        prompt_logprobs: Optional[int] = None,
+    ) -> list[int]:
+        """As ``add_request``, for one choice per sampler: the ids, in order. The prompt is fed
+        once, by the first choice (which reports its ``prompt_logprobs``); the others start
+        from its keys/values, each sampling its first token from its prompt's last logits."""
+        if not samplers:
+            raise ValueError("[BatchedDecoder] add_choices needs at least one sampler")
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= 20:
+            raise ValueError(
+                f"[BatchedDecoder] prompt_logprobs must be in [0, 20], got {prompt_logprobs}"
+            )
+        self.check_request(len(prompt), max_tokens, len(samplers))
+        stop_tokens = list(stop_tokens)
+        choices = [self._request(prompt, max_tokens, stop_tokens, s) for s in samplers]
+        first = choices[0]
+        first.prompt_logprobs, first.forks = prompt_logprobs, choices[1:]
+        self.scheduler.add(first)
+        return [c.uid for c in choices]
 
     def add_prefilled_request(
         self,
@@ -127,6 +167,7 @@ class EngineCore:
                 f"[BatchedDecoder] the keys/values must hold the {len(prompt) - 1} positions "
                 f"before the prompt's last token, got {sorted(lengths)}"
             )
+        self.check_request(len(prompt), max_tokens)
         request = self._request(prompt, max_tokens, stop_tokens, None)
         request.num_cached = len(request.prompt) - 1
         self.scheduler.add_running(request)
@@ -148,9 +189,8 @@ class EngineCore:
     def run(self, plan: StepPlan, sampler: Optional[Sampler] = None) -> StepResult:
         """Execute ``plan`` and apply what it produced; ``sampler`` for requests without one."""
         output = self.runner.execute(plan, sampler)
-        result = self.scheduler.update(plan, output.tokens)
+        result = self.scheduler.update(plan, output)
         self.runner.forget(result.finished)
-        result.draft_tokens, result.accepted_tokens = output.draft_tokens, output.accepted_tokens
         return result
 
     @property

@@ -29,11 +29,28 @@ class Release:
 @dataclass
 class Admission:
     """A request given row ``row`` since the last plan, and its ``Sampler`` (``None``: the
-    step's default; a tensor-parallel plan carries its knobs and seed, ``lockstep``)."""
+    step's default; a tensor-parallel plan carries its knobs and seed, ``lockstep``).
+
+    A request of several choices (``EngineCore.add_choices``) is admitted with ``forks``: the
+    other choices' ids and samplers, which sample their first tokens from its prompt's last
+    logits. Each fork is then admitted with ``source``: the row holding that prompt and its
+    length, whose keys/values it starts from (copied, or its blocks shared)."""
 
     uid: int
     row: int
     sampler: Optional[Any] = None
+    forks: list[tuple[int, Optional[Any]]] = field(default_factory=list)
+    source: Optional[tuple[int, int]] = None
+
+
+@dataclass
+class TokenLogprobs:
+    """A token's log-probability and the ``top`` most likely tokens' ``(id, logprob)``, best
+    first (as many as the request asked)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -53,6 +70,11 @@ class StepPlan:
         reserve_len: positions the slot caches make room for (the longest prompt being fed).
         num_draft_tokens: k, the draft tokens of every running row (0 without a draft model).
         block_tables: each row's block table (paged layout), ``None`` otherwise.
+        contexts: each row's last tokens (prompt, then generated) that its sampler's penalties
+            read, ``None`` for a row whose sampler has none.
+        prompt_logprobs: ``(row, k, next)`` of each chunk whose every token's logits are
+            kept: its prompt tokens' logprobs with the top k, ``next`` the prompt token after
+            the chunk (-1 when the chunk ends the prompt).
     """
 
     row_changes: list[Union[Release, Admission]] = field(default_factory=list)
@@ -65,11 +87,34 @@ class StepPlan:
     reserve_len: int = 0
     num_draft_tokens: int = 0
     block_tables: Optional[list[list[int]]] = None
+    contexts: list[Optional[list[int]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def fed_prompts(self) -> bool:
         """Whether the step feeds prompt tokens."""
         return any(self.chunks)
+
+
+@dataclass
+class RunnerOutput:
+    """What the runner made of a step, row by row.
+
+    ``tokens[b]``: row ``b``'s new tokens (``None``: it sampled none); ``logprobs[b]``: theirs
+    (``None`` unless its sampler asks). ``forks[b]``: the ``(uid, token, logprobs)`` each fork
+    of row ``b``'s request sampled from its prompt's last logits. ``prompt_logprobs[b]``: the
+    logprobs of the prompt tokens after row ``b``'s chunk's (``StepPlan.prompt_logprobs``).
+    ``draft_tokens`` proposed and ``accepted_tokens`` accepted in the step.
+    """
+
+    tokens: list[Optional[list[int]]]
+    logprobs: list[Optional[list[TokenLogprobs]]] = field(default_factory=list)
+    forks: dict[int, list[tuple[int, int, Optional[TokenLogprobs]]]] = field(
+        default_factory=dict
+    )
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +144,9 @@ class StepResult:
     each finished request took from cached blocks. ``snapshot``: the counts after the step.
     ``prompt_tokens``: the prompt tokens fed or taken from cached blocks (``prefix_hit_tokens``
     of them) since the last step; ``draft_tokens`` proposed and ``accepted_tokens`` accepted.
+    ``logprobs[uid]``: one ``TokenLogprobs`` per token of ``tokens[uid]`` for requests whose
+    sampler asks; ``prompt_logprobs[uid]``: those of the prompt tokens this step fed (from the
+    second on: the first has none) for requests added with ``prompt_logprobs``.
     """
 
     tokens: dict[int, list[int]] = field(default_factory=dict)
@@ -110,3 +158,5 @@ class StepResult:
     prefix_hit_tokens: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)

@@ -37,7 +37,9 @@ class Request:
     fed so far, then every generated token but ``next_token`` (the last, which the next step
     feeds). ``sampler`` is how it chooses its tokens (the runner's concern; ``None``:
     greedy). ``block_names``: its prompt's full blocks' names (paged prefix sharing), once
-    computed.
+    computed. ``prompt_logprobs``: report its prompt tokens' logprobs with the top k
+    (``None``: not). ``forks``: its other choices (``EngineCore.add_choices``), which start
+    from its cache once its prompt is fed.
     """
 
     uid: int
@@ -51,6 +53,8 @@ class Request:
     finish_reason: Optional[FinishReason] = None
     prefix_hit_tokens: int = 0
     block_names: Optional[list[int]] = None
+    prompt_logprobs: Optional[int] = None
+    forks: list["Request"] = field(default_factory=list)
 
     @property
     def next_token(self) -> int:
@@ -64,5 +68,11 @@ class Request:
 
     @property
     def total_len(self) -> int:
-        """The most positions it writes: every prompt token and generated token but the last."""
-        return len(self.prompt) - 1 + self.max_tokens
+        """The most positions it writes: every prompt token and generated token but the last
+        (all of the prompt's with ``max_tokens`` 0)."""
+        return len(self.prompt) - 1 + max(self.max_tokens, 1)
+
+    @property
+    def samplers(self) -> list[Any]:
+        """Its sampler, then its forks'."""
+        return [self.sampler, *(f.sampler for f in self.forks)]

@@ -5,9 +5,11 @@ request's row and sampler), then runs the step: without a draft model, one packe
 over every running row's token and every prompt chunk; with one, the draft's proposals first
 (``speculative``) and the target's pass verifying them. Each pass builds the step's one context
 (the layout's) shared by every layer. The target's logits are computed only for the rows that
-sample (a running row's k + 1 tokens, a chunk that ends its prompt), and every row is sampled
-in one batched pass (``sample_rows``), each with its request's sampler. One device-to-host read
-per step: the sampled tokens.
+sample (a running row's k + 1 tokens, a chunk that ends its prompt) and the chunks of prompts
+whose logprobs are asked, and every row is sampled in one batched pass (``sample_rows``), each
+with its request's sampler over its context (penalties), the forks of a request whose prompt
+ends from its last logits. One evaluation per step, then the host reads the sampled tokens and
+the logprobs asked for.
 
 Dimension legend: B = rows of the step, R = running rows, k = draft tokens per running row.
 """
@@ -15,28 +17,19 @@ Dimension legend: B = rows of the step, R = running rows, k = draft tokens per r
 from __future__ import annotations
 
 import itertools
-from typing import Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from .layouts.base import KVLayout
-from .packing import pack_tokens
-from .plan import Admission, Release, StepPlan
-from .sampling import Sampler, sample_rows
+from .packing import pack_contexts, pack_tokens
+from .plan import Admission, Release, RunnerOutput, StepPlan, TokenLogprobs
+from .sampling import Sampler, prompt_logprobs, sample_rows
 from .speculative import accepted_length, draft_proposals
 
 
 # One layer's keys and values, as ``KVLayout.load`` takes them.
 KeysValues = tuple[mx.array, mx.array]
-
-
-class RunnerOutput(NamedTuple):
-    """Each row's new tokens (``None``: it emits none), and the draft tokens proposed and
-    accepted in the step."""
-
-    tokens: list[Optional[list[int]]]
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
 
 
 class ModelRunner:
@@ -47,6 +40,9 @@ class ModelRunner:
         self.draft = draft
         # Each running request's sampler (None: the step's default).
         self.samplers: dict[int, Optional[Sampler]] = {}
+        # The forks of requests feeding their prompts, and the forks' samplers until they run.
+        self.forks: dict[int, list[int]] = {}
+        self.fork_samplers: dict[int, Optional[Sampler]] = {}
 
     @property
     def layouts(self) -> list[KVLayout]:
@@ -56,6 +52,9 @@ class ModelRunner:
         """Drop what it keeps of requests that ended (their rows go with the next plan)."""
         for uid in uids:
             self.samplers.pop(uid, None)
+            self.fork_samplers.pop(uid, None)
+            for fork in self.forks.pop(uid, ()):
+                self.fork_samplers.pop(fork, None)
 
     def execute(self, plan: StepPlan, default: Optional[Sampler] = None) -> RunnerOutput:
         """Apply ``plan``'s row changes and run its step; requests without a sampler of their
@@ -72,7 +71,7 @@ class ModelRunner:
             proposal = draft_proposals(self.draft, plan, samplers, firsts)
         else:
             proposal = firsts[:, None] if running else None
-        return self._verify(plan, samplers, proposal)
+        return self._verify(plan, samplers, default, proposal)
 
     def apply(
         self,
@@ -80,19 +79,33 @@ class ModelRunner:
         loads: Optional[Mapping[int, Sequence[Optional[Sequence[KeysValues]]]]] = None,
     ) -> None:
         """Releases and admissions, in order, on every layout; ``loads[uid]``: an admitted
-        request's first positions, one ``KVLayout.load`` argument per layout."""
+        request's first positions, one ``KVLayout.load`` argument per layout; a fork starts
+        from its source row."""
         for change in row_changes:
             if isinstance(change, Release):
                 for layout in self.layouts:
                     layout.release(change.row, change.last, change.length)
                 continue
-            self.samplers[change.uid] = change.sampler
+            # A fork keeps the sampler its first token was drawn with (its stream goes on).
+            self.samplers[change.uid] = self.fork_samplers.pop(change.uid, change.sampler)
+            if change.forks:
+                self.forks[change.uid] = [uid for uid, _ in change.forks]
+                self.fork_samplers.update(change.forks)
+            if change.source is not None:
+                src, length = change.source
+                for layout in self.layouts:
+                    layout.copy_row(src, change.row, length)
+                continue
             layers = (loads or {}).get(change.uid, [None] * len(self.layouts))
             for layout, layers_kv in zip(self.layouts, layers):
                 layout.load(change.row, layers_kv)
 
     def _verify(
-        self, plan: StepPlan, samplers: list[Sampler], proposal: Optional[mx.array]
+        self,
+        plan: StepPlan,
+        samplers: list[Sampler],
+        default: Sampler,
+        proposal: Optional[mx.array],
     ) -> RunnerOutput:
         """The target's pass over every running row's ``proposal [R, k + 1]`` (its token, then
         the draft's) and every chunk; a running row keeps the draft tokens its own samples
@@ -100,14 +113,29 @@ class ModelRunner:
         k = plan.num_draft_tokens
         counts = [k + 1 if t is not None else len(c) for t, c in zip(plan.next_tokens, plan.chunks)]
         ends = list(itertools.accumulate(counts))
-        logit_rows, row_samplers = [], []
+        prompt_rows = {row: (top, after) for row, top, after in plan.prompt_logprobs}
+        # The packed rows whose logits are computed; which of them sample, with which sampler.
+        logit_rows: list[int] = []
+        sample_at, row_samplers, sampled_rows = [], [], []
+        spans: dict[int, int] = {}
         for b, count in enumerate(counts):
+            start = ends[b] - count
             if plan.next_tokens[b] is not None:
-                logit_rows += range(ends[b] - count, ends[b])
+                sample_at += range(len(logit_rows), len(logit_rows) + count)
+                logit_rows += range(start, ends[b])
                 row_samplers += [samplers[b]] * count
+                sampled_rows += [b] * count
+                continue
+            if b in prompt_rows:
+                spans[b] = len(logit_rows)
+                logit_rows += range(start, ends[b])
             elif plan.ending[b]:
                 logit_rows.append(ends[b] - 1)
-                row_samplers.append(samplers[b])
+            if plan.ending[b]:
+                forks = self.forks.get(plan.uids[b], [])
+                sample_at += [len(logit_rows) - 1] * (1 + len(forks))
+                row_samplers += [samplers[b], *(self.fork_samplers.get(f) or default for f in forks)]
+                sampled_rows += [b] * (1 + len(forks))
         tokens = pack_tokens(plan, proposal)
         logits = self.target.forward(
             tokens, plan, plan.seq_lens, counts, logit_rows, plan.first_chunks
@@ -116,21 +144,104 @@ class ModelRunner:
         if not logit_rows:
             # Only chunks that end no prompt: their keys/values are the step's whole output.
             mx.eval(outputs)
-            return RunnerOutput([None] * len(counts))
-        sampled = sample_rows(row_samplers, logits).tokens
-        mx.eval(sampled, outputs, *([] if proposal is None else [proposal]))
-        sampled = sampled.tolist()
+            return RunnerOutput([None] * len(counts), [None] * len(counts))
+        pending: list = []
+        sampled = None
+        if sample_at:
+            rows = logits if len(sample_at) == len(logit_rows) else logits[mx.array(sample_at)]
+            contexts = _contexts(plan, sampled_rows, proposal, k)
+            sampled = sample_rows(row_samplers, rows, contexts)
+            pending += [x for x in sampled if x is not None]
+        prompt = {}
+        for b, start in spans.items():
+            top, after = prompt_rows[b]
+            targets = plan.chunks[b][1:] + ([after] if after >= 0 else [])
+            if targets:
+                span = logits[start : start + len(targets)]
+                prompt[b] = (targets, prompt_logprobs(span, mx.array(targets, dtype=mx.int32), top))
+                pending += [x for x in prompt[b][1] if x is not None]
+        mx.eval(pending, outputs, *([] if proposal is None else [proposal]))
+        output = RunnerOutput([None] * len(counts), [None] * len(counts))
+        for b, (targets, values) in prompt.items():
+            output.prompt_logprobs[b] = _token_logprobs(targets, *values)
+        if sampled is None:
+            return output
+        chosen = sampled.tokens.tolist()
+        entries = _token_logprobs(chosen, *sampled[1:])
         proposed = [] if proposal is None or not k else proposal.tolist()
-        out: list[Optional[list[int]]] = [None] * len(counts)
-        accepted, position, i = 0, 0, 0
+        position, i = 0, 0
         for b in range(len(counts)):
             if plan.next_tokens[b] is not None:
-                targets = sampled[position : position + k + 1]
+                targets = chosen[position : position + k + 1]
                 a = accepted_length(proposed[i][1:], targets) if k else 0
-                accepted += a
-                out[b] = targets[: a + 1]
+                output.accepted_tokens += a
+                output.tokens[b] = targets[: a + 1]
+                output.logprobs[b] = _asked(samplers[b], entries[position : position + a + 1])
                 position, i = position + k + 1, i + 1
             elif plan.ending[b]:
-                out[b] = [sampled[position]]
-                position += 1
-        return RunnerOutput(out, k * i, accepted)
+                output.tokens[b] = [chosen[position]]
+                output.logprobs[b] = _asked(samplers[b], entries[position : position + 1])
+                forks = self.forks.pop(plan.uids[b], [])
+                output.forks[b] = [
+                    (f, chosen[position + 1 + j],
+                     _one(self.fork_samplers.get(f), entries[position + 1 + j]))
+                    for j, f in enumerate(forks)
+                ]
+                position += 1 + len(forks)
+        output.draft_tokens = k * i
+        return output
+
+
+def _contexts(
+    plan: StepPlan, rows: Sequence[int], proposal: Optional[mx.array], k: int
+) -> Optional[mx.array]:
+    """int32 ``[S, C]``: each sampled row's context (``pack_contexts``), a running row's j-th
+    draft row's followed by the draft tokens before it; ``None`` when no row has one."""
+    if not k:
+        return pack_contexts(plan, rows)
+    groups = [(b, len(list(g))) for b, g in itertools.groupby(rows)]
+    base = pack_contexts(plan, [b for b, _ in groups])
+    if base is None:
+        return None
+    # The window of C tokens that ends at row j's token: j + 0 .. j + C - 1 of base + drafts.
+    windows = mx.arange(k + 1)[:, None] + mx.arange(base.shape[1])[None]
+    pieces, i = [], 0
+    for g, (b, count) in enumerate(groups):
+        if plan.next_tokens[b] is None:
+            pieces.append(mx.repeat(base[g : g + 1], count, axis=0))
+            continue
+        pieces.append(mx.concatenate([base[g], proposal[i, 1:]])[windows])
+        i += 1
+    return mx.concatenate(pieces)
+
+
+def _token_logprobs(
+    tokens: Sequence[int],
+    logprobs: Optional[mx.array],
+    top_ids: Optional[mx.array],
+    top_logprobs: Optional[mx.array],
+) -> list[Optional[TokenLogprobs]]:
+    """Each token's ``TokenLogprobs`` (``None`` for all when no logprobs were computed)."""
+    if logprobs is None:
+        return [None] * len(tokens)
+    ids = [[]] * len(tokens) if top_ids is None else top_ids.tolist()
+    values = [[]] * len(tokens) if top_logprobs is None else top_logprobs.tolist()
+    return [
+        TokenLogprobs(t, lp, list(zip(i, v)))
+        for t, lp, i, v in zip(tokens, logprobs.tolist(), ids, values)
+    ]
+
+
+def _one(sampler: Optional[Sampler], entry: Optional[TokenLogprobs]) -> Optional[TokenLogprobs]:
+    """``entry`` cut to the top logprobs ``sampler`` asks for (``None`` if it asks none)."""
+    asked = None if sampler is None else sampler.params.logprobs
+    if asked is None or entry is None:
+        return None
+    return TokenLogprobs(entry.token, entry.logprob, entry.top[:asked])
+
+
+def _asked(sampler: Sampler, entries: Sequence[Optional[TokenLogprobs]]) -> Optional[list]:
+    """``entries`` as ``sampler`` asks for them (``None`` if it asks none)."""
+    if sampler.params.logprobs is None:
+        return None
+    return [_one(sampler, e) for e in entries]

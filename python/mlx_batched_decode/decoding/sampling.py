@@ -10,8 +10,9 @@ and ``make_sampler``) for every row at once:
 2. ``logprobs = processed - logsumexp(processed)`` (what the request's logprobs report);
 3. greedy rows take the argmax; the others truncate the logprobs in mlx-lm's order top-p,
    min-p, XTC, top-k, and take the Gumbel-max of the truncated logprobs over the temperature,
-   the noise (and XTC's draw) of a seeded row from its own keys, of the others from MLX's
-   global random state.
+   the noise (and XTC's draw, taken first) of a seeded row from its own keys, of the others
+   from MLX's global random state. Top-k keeps every token tied with the k-th; a top-k of V
+   or more keeps all (mlx-lm refuses it).
 
 Each stage runs only when some row of the step uses it.
 
@@ -196,7 +197,6 @@ def _process(
     if not bias and not any(windows):
         return logits
     x = logits.astype(mx.float32)
-    rows, vocab = x.shape
     if bias:
         r, t, b = zip(*bias)
         x = x.at[mx.array(r), mx.array(t)].add(mx.array(b, dtype=mx.float32))
@@ -204,49 +204,48 @@ def _process(
         return x
     if contexts is None:
         raise ValueError("sample_rows: a sampler penalizes repetitions but no contexts were given")
-    counts = _Counts(contexts, vocab)
+    return _penalize(params, windows, x, contexts.astype(mx.int32))
 
-    def factors(kind, off):
-        return mx.array([getattr(p, f"{kind}_penalty") if kind in w else off
-                         for p, w in zip(params, windows)], dtype=mx.float32)[:, None]
 
-    def used(kind):
+def _penalize(
+    params: Sequence[SamplingParams], windows: Sequence[dict[str, int]], x: mx.array,
+    contexts: mx.array,
+) -> mx.array:
+    """float32 ``x [R, V]`` after each row's penalties over its windows of ``contexts``
+    (``sample_rows``), as one scatter-add over the context entries: the work scales with
+    R x C, not with the vocabulary."""
+    rows, columns = contexts.shape
+    known = contexts >= 0
+    tokens = mx.where(known, contexts, 0)
+    at = (mx.arange(rows)[:, None], tokens)
+    cols = mx.arange(columns)[None, :]
+    # A token is in a window (a suffix of the columns) when its last occurrence is; that
+    # occurrence alone carries the once-per-token penalties.
+    last = mx.zeros(x.shape, dtype=mx.int32).at[at].maximum(mx.where(known, cols + 1, 0))
+    is_last = known & (cols == mx.take_along_axis(last, tokens, axis=-1) - 1)
+
+    def window(kind: str) -> mx.array:
+        sizes = [w.get(kind, -1) for w in windows]
+        sizes = [0 if size < 0 else columns if size == 0 else min(size, columns) for size in sizes]
+        return cols >= columns - mx.array(sizes, dtype=mx.int32)[:, None]
+
+    def factor(kind: str) -> mx.array:
+        return mx.array([getattr(p, f"{kind}_penalty") for p in params], dtype=mx.float32)[:, None]
+
+    def used(kind: str) -> bool:
         return any(kind in w for w in windows)
 
+    delta = mx.zeros(contexts.shape, dtype=mx.float32)
     if used("repetition"):
-        penalty = factors("repetition", 1.0)
-        seen = counts([w.get("repetition") for w in windows]) > 0
-        x = mx.where(seen, mx.where(x < 0, x * penalty, x / penalty), x)
+        penalty = factor("repetition")
+        picked = mx.take_along_axis(x, tokens, axis=-1)
+        penalized = mx.where(picked < 0, picked * penalty, picked / mx.where(penalty > 0, penalty, 1.0))
+        delta = delta + mx.where(is_last & window("repetition"), penalized - picked, 0.0)
     if used("presence"):
-        seen = counts([w.get("presence") for w in windows]) > 0
-        x = x - factors("presence", 0.0) * seen
+        delta = delta - mx.where(is_last & window("presence"), factor("presence"), 0.0)
     if used("frequency"):
-        x = x - factors("frequency", 0.0) * counts([w.get("frequency") for w in windows])
-    return x
-
-
-class _Counts:
-    """Per-row token counts over windows of ``contexts [R, C]`` (left-padded with -1), one
-    scatter-add per distinct set of windows."""
-
-    def __init__(self, contexts: mx.array, vocab: int):
-        self.contexts = contexts.astype(mx.int32)
-        self.vocab = vocab
-        self.made: dict[tuple, mx.array] = {}
-
-    def __call__(self, windows: Sequence[Optional[int]]) -> mx.array:
-        """float32 ``[R, V]``: row r's count of each token in its last ``windows[r]`` columns
-        (``None``: none, 0: all)."""
-        rows, columns = self.contexts.shape
-        sizes = tuple(0 if w is None else columns if w == 0 else min(w, columns) for w in windows)
-        if sizes not in self.made:
-            start = columns - mx.array(sizes, dtype=mx.int32)[:, None]
-            valid = (self.contexts >= 0) & (mx.arange(columns)[None, :] >= start)
-            tokens = mx.where(valid, self.contexts, 0)
-            self.made[sizes] = mx.zeros((rows, self.vocab), dtype=mx.float32).at[
-                mx.arange(rows)[:, None], tokens
-            ].add(valid.astype(mx.float32))
-        return self.made[sizes]
+        delta = delta - mx.where(known & window("frequency"), factor("frequency"), 0.0)
+    return x.at[at].add(delta)
 
 
 def _choose_all(samplers: Sequence[Sampler], processed: mx.array, logprobs: mx.array) -> mx.array:
@@ -279,7 +278,10 @@ def _choose(samplers: Sequence[Sampler], processed: mx.array, logprobs: mx.array
         return greedy
     # Greedy rows take their knobs' neutral values: their choice is the argmax anyway.
     params = [s.params if on else _NEUTRAL for s, on in zip(samplers, live)]
-    masked = _truncate(samplers, params, logprobs)
+    # Top-p and XTC read probabilities; the other truncations and the Gumbel-max are the same
+    # on the logits, which spares an exp over the vocabulary.
+    reads_probs = any(p.top_p < 1.0 or p.xtc_probability > 0.0 for p in params)
+    masked = _truncate(samplers, params, logprobs if reads_probs else processed.astype(mx.float32))
     temperatures = mx.array([p.temperature or 1.0 for p in params], dtype=mx.float32)[:, None]
     noise = _noise(samplers, live, processed.shape[-1], mx.random.gumbel)
     chosen = mx.argmax(masked / temperatures + noise, axis=-1).astype(mx.int32)
@@ -292,7 +294,8 @@ def _truncate(
     samplers: Sequence[Sampler], params: Sequence[SamplingParams], logprobs: mx.array
 ) -> mx.array:
     """``logprobs [R, V]`` with -inf for the tokens row r's ``params[r]`` rules out, in
-    mlx-lm's order: top-p, min-p, XTC (drawing from ``samplers[r]``'s stream), top-k."""
+    mlx-lm's order: top-p, min-p, XTC (drawing from ``samplers[r]``'s stream), top-k. Without
+    top-p and XTC, logits (logprobs plus a row's constant) give the same tokens."""
     vocab = logprobs.shape[-1]
 
     def column(read: Callable[[SamplingParams], float]) -> mx.array:

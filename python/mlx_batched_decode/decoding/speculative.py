@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from .layouts.base import KVLayout
-from .packing import pack_tokens
+from .packing import pack_contexts, pack_tokens
 from .plan import StepPlan
 from .sampling import Sampler, sample_rows
 
@@ -55,6 +55,7 @@ def draft_proposals(
     counts = [1 if t is not None else len(c) for t, c in zip(plan.next_tokens, plan.chunks)]
     ends = list(itertools.accumulate(counts))
     tokens = pack_tokens(plan, firsts[:, None])
+    contexts = pack_contexts(plan, running)
     drafts = []
     for j in range(k + 1):
         rows = [ends[b] - 1 for b in running] if j == 0 else list(range(len(running)))
@@ -64,7 +65,11 @@ def draft_proposals(
             plan.first_chunks if j == 0 else (),
         )
         if j < k and running:
-            tokens = sample_rows([samplers[b] for b in running], logits).tokens
+            # Each row's context, then the tokens drafted after it.
+            seen = None if contexts is None else mx.concatenate(
+                [contexts, *(d[:, None] for d in drafts)], axis=1
+            )[:, -contexts.shape[1]:]
+            tokens = sample_rows([samplers[b] for b in running], logits, seen).tokens
             # Start computing this draft token while the next pass's graph is built.
             mx.async_eval(tokens)
             drafts.append(tokens)

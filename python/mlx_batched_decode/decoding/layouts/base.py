@@ -49,13 +49,21 @@ class KVLayout(ABC):
 
     # -- the scheduler's side -----------------------------------------------------------------
 
-    def check(self, prompt_len: int, max_tokens: int) -> None:
-        """``ValueError`` unless the layout can ever hold such a request (any size by default)."""
+    def check(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
+        """``ValueError`` unless the layout can ever hold such a request of ``n`` choices (any
+        size by default)."""
 
     def admit(self, request: Request) -> Optional[int]:
-        """Take ``request`` in: the leading prompt tokens its cached prefix holds (0 by
-        default), or ``None`` when there is no room for it now (nothing done)."""
+        """Take ``request`` in, and room for its forks: the leading prompt tokens its cached
+        prefix holds (0 by default), or ``None`` when there is no room for it now (nothing
+        done)."""
         return 0
+
+    def fork(self, parent: Request, fork: Request) -> None:
+        """``fork`` starts from ``parent``'s fed prompt, in the room ``admit`` kept for it."""
+
+    def drop_fork(self, parent: Request) -> None:
+        """One of ``parent``'s forks ends before it starts: the room kept for it goes back."""
 
     def free(self, uid: int) -> None:
         """Request ``uid`` left: what it held goes back (its row is the runner's release)."""
@@ -88,6 +96,11 @@ class KVLayout(ABC):
         """Row ``row`` (the next free one) is a new request's; ``layers_kv``, each layer's
         keys/values ``[1, H_kv, P, D]`` of its first P positions (``None``: none yet; an MLA
         layer's pair is mlx-lm's latent ``[1, 1, P, r]`` and rope keys ``[1, 1, P, R]``)."""
+
+    @abstractmethod
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Row ``dst`` (the next free one) is a fork's: it starts from row ``src``'s first
+        ``length`` positions."""
 
     @abstractmethod
     def context(

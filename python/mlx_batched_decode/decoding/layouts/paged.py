@@ -60,17 +60,44 @@ class PagedLayout(KVLayout):
 
     # -- the scheduler's side -----------------------------------------------------------------
 
-    def check(self, prompt_len: int, max_tokens: int) -> None:
-        needed = self.cache.blocks_for(prompt_len - 1 + max_tokens)
+    def check(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
+        total_len = prompt_len - 1 + max(max_tokens, 1)
+        needed = self.cache.blocks_for(total_len) + (n - 1) * self._fork_blocks(
+            prompt_len, total_len
+        )
         budget = self.cache.allocator.max_blocks
         if budget is not None and needed > budget:
             raise ValueError(
-                f"[BatchedDecoder] a request of {prompt_len} prompt tokens and max_tokens="
-                f"{max_tokens} needs {needed} blocks, more than max_kv_blocks={budget}"
+                f"[BatchedDecoder] a request of {prompt_len} prompt tokens, max_tokens="
+                f"{max_tokens} and {n} choices needs {needed} blocks, more than "
+                f"max_kv_blocks={budget}"
             )
 
+    def _fork_blocks(self, prompt_len: int, total_len: int) -> int:
+        """The blocks a fork reserves (``PagedKVCache.fork``): those its parent holds reserved
+        once the prompt is written, and one for a copy of a partly filled last block."""
+        partial = prompt_len % self.cache.block_size != 0
+        return self.cache.blocks_for(total_len) - self.cache.blocks_for(prompt_len) + partial
+
     def admit(self, request: Request) -> Optional[int]:
-        return self.cache.admit(request.uid, request.prompt[:-1], request.total_len)
+        # A request asking for its prompt's logprobs computes every position itself.
+        shared = request.prompt[:-1] if request.prompt_logprobs is None else []
+        hit = self.cache.admit(request.uid, shared, request.total_len)
+        if hit is None or not request.forks:
+            return hit
+        kept = len(request.forks) * self._fork_blocks(len(request.prompt), request.total_len)
+        if not self.cache.allocator.reserve(kept):
+            self.cache.free(request.uid)
+            return None
+        return hit
+
+    def fork(self, parent: Request, fork: Request) -> None:
+        self.drop_fork(parent)
+        if not self.cache.fork(parent.uid, fork.uid, parent.num_cached):
+            raise RuntimeError("[BatchedDecoder] a fork found no room kept for it")
+
+    def drop_fork(self, parent: Request) -> None:
+        self.cache.allocator.unreserve(self._fork_blocks(len(parent.prompt), parent.total_len))
 
     def free(self, uid: int) -> None:
         self.cache.free(uid)
@@ -85,7 +112,7 @@ class PagedLayout(KVLayout):
         """With prefix sharing: whether a prompt being fed now holds the next block of
         ``request``'s prompt that no cached block holds yet; it then waits for that block
         (cached as soon as it is written) instead of computing it again."""
-        if not self.cache.prefix_sharing:
+        if not self.cache.prefix_sharing or request.prompt_logprobs is not None:
             return False
         names = self._block_names(request)
         cached = len(self.cache.cached_blocks(names))
@@ -113,6 +140,9 @@ class PagedLayout(KVLayout):
     def load(self, row: int, layers_kv: Optional[Sequence[tuple[mx.array, mx.array]]]) -> None:
         if layers_kv is not None:
             raise ValueError("[BatchedDecoder] add_prefilled_request needs kv_layout='slot'")
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Nothing moves: a fork's table, sharing its parent's blocks, comes with each plan."""
 
     def release(self, row: int, last: int, length: int) -> None:
         """Nothing moves: the rows' tables come with each plan."""

@@ -52,6 +52,12 @@ class SeedLayout(KVLayout):
             cache.update_and_fetch(keys, values)
         mx.eval(self.cache_arrays())
 
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        caches = [ContiguousKVCache(self.kv_step) for _ in range(self.num_layers)]
+        for cache, parent in zip(caches, self.rows[src]):
+            cache.update_and_fetch(parent.keys[:, :, :length], parent.values[:, :, :length])
+        self.rows.append(caches)
+
     def release(self, row: int, last: int, length: int) -> None:
         self.rows[row] = self.rows[last]
         self.rows.pop()

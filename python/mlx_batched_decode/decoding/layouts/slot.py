@@ -109,6 +109,12 @@ class SlotLayout(KVLayout):
         # Evaluate the copies now: their time stays out of the next step's.
         mx.eval(self.cache_arrays())
 
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        for cache in self.caches:
+            # Room for the new row, shaped as the buffers themselves.
+            cache.reserve(dst + 1, length, cache.keys, cache.values)
+            cache.move(src, dst, length)
+
     def release(self, row: int, last: int, length: int) -> None:
         if row != last:
             for cache in self.caches:
