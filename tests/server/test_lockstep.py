@@ -54,6 +54,8 @@ def test_a_plan_survives_its_encoding():
         reserve_len=3,
         num_draft_tokens=2,
         block_tables=[[3, 4], [0], [1, 2, 9]],
+        contexts=[[11, 12], None, []],
+        prompt_logprobs=[(1, 5, 8), (2, 0, -1)],
     )
     decoded = decode(encode(plan))
     changes = decoded.row_changes

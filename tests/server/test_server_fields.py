@@ -99,7 +99,8 @@ def test_logprobs(server, tokenizer):
                                 "max_tokens": 4, "logprobs": True, "top_logprobs": 3})
     choice = chat["choices"][0]
     content = choice["logprobs"]["content"]
-    assert "".join(e["token"] for e in content).startswith(choice["message"]["content"] or "")
+    # One entry per token generated (an end-of-sequence token is none).
+    assert len(content) == chat["usage"]["completion_tokens"] - (choice["finish_reason"] == "stop")
     for entry in content:
         assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
         assert entry["bytes"] == list(entry["token"].encode()) and entry["logprob"] <= 0
@@ -110,8 +111,8 @@ def test_logprobs(server, tokenizer):
     _, text = ok(server, TEXT, {"prompt": prompt, "max_tokens": 4, "logprobs": 2})
     logprobs = text["choices"][0]["logprobs"]
     assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-    assert len(logprobs["tokens"]) == text["usage"]["completion_tokens"] or (
-        text["choices"][0]["finish_reason"] == "stop")
+    stopped = text["choices"][0]["finish_reason"] == "stop"
+    assert len(logprobs["tokens"]) == text["usage"]["completion_tokens"] - stopped
     assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
 
     # lm-evaluation-harness's loglikelihood request: the prompt scored, nothing generated.

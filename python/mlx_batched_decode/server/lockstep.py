@@ -3,8 +3,8 @@
 Under ``mlx.launch`` with ``--tensor-parallel`` every rank holds its shard of the model; only
 rank 0 serves HTTP and schedules. Before each step rank 0's decoding thread sends the step's
 ``StepPlan`` (the rows released and admitted since the last plan, each row's tokens, the block
-tables of the paged layout) to the other ranks, whose runners execute the same plan on their
-shards (``follow``): their rows hold the same requests, and the step's all-reduces line up.
+tables of the paged layout, the penalties' contexts, the chunks whose prompt logprobs are
+kept) to the other ranks, whose runners execute the same plan on their shards (``follow``): their rows hold the same requests, and the step's all-reduces line up.
 Every request samples with a seed (rank 0 draws one where the request gives none), so that
 every rank picks the same tokens. A ``None`` plan stops the followers.
 
@@ -67,6 +67,9 @@ def encode(plan: Optional[StepPlan]) -> list[int]:
     values += [plan.reserve_len, plan.num_draft_tokens]
     tables = plan.block_tables
     values += [-1] if tables is None else [len(tables)] + [x for t in tables for x in _ints(t)]
+    values += [len(plan.contexts)]
+    values += [x for c in plan.contexts for x in ([-1] if c is None else _ints(c))]
+    values += _ints([x for triple in plan.prompt_logprobs for x in triple])
     return values
 
 
@@ -107,6 +110,11 @@ def decode(values: list[int]) -> Optional[StepPlan]:
     plan.reserve_len, plan.num_draft_tokens = read.take(2)
     count = read.one()
     plan.block_tables = None if count < 0 else [read.ints() for _ in range(count)]
+    for _ in range(read.one()):
+        size = read.one()
+        plan.contexts.append(None if size < 0 else read.take(size))
+    triples = read.ints()
+    plan.prompt_logprobs = list(zip(triples[::3], triples[1::3], triples[2::3]))
     return plan
 
 
