@@ -4,6 +4,7 @@ seeds of any 64-bit value, the endpoints and CORS, keep-alive comments, a step t
 model named by a Hugging Face repo id from the local cache, and a fuzz of a few hundred bodies
 that no answer of which is a 5xx."""
 
+import http.client
 import json
 import random
 import shutil
@@ -28,10 +29,8 @@ from tests.server.test_native_server import (  # noqa: E402, F401
     get,
     model_dir,
     post,
-    stable,
     words,
 )
-import http.client  # noqa: E402
 
 TEXT, CHAT = "/v1/completions", "/v1/chat/completions"
 

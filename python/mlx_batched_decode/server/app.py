@@ -19,7 +19,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Optional, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,21 +28,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ..decoding.sampling_params import SamplingParams
+from .answer import Answer, Prompt
 from .engine import Choice, Engine, PromptRows, Submission, usage
 from .fields import parse_request
 from .metrics import ServerMetrics
 from .protocol import APIError, CompletionRequest, Defaults
-from .responses import (
-    ChoiceBody,
-    LogprobRow,
-    ResponseHeader,
-    TokenTexts,
-    chat_logprobs,
-    completion_logprobs,
-    response_body,
-    usage_body,
-)
-from .text_stream import Piece, TextStream
+from .responses import ResponseHeader, TokenTexts, response_body, usage_body
+from .text_stream import TextStream
 
 # How often a request answered whole looks for its client having hung up.
 _DISCONNECT_CHECK_S = 0.5
@@ -84,16 +76,6 @@ class ServerState:
         self.xtc_special_tokens = (
             *self.tokenizer.encode("\n"), *self.tokenizer.eos_token_ids
         )
-
-
-@dataclass
-class Prompt:
-    """One prompt of a request, tokenized: its ids, the text an echo shows, the text state its
-    answer starts in."""
-
-    ids: list[int]
-    echo: str
-    initial_state: str = "normal"
 
 
 def _json(body: Any, status: int = 200, headers: Optional[dict] = None) -> Response:
@@ -238,69 +220,6 @@ def _header(request: CompletionRequest, state: ServerState) -> ResponseHeader:
     )
 
 
-class _Answer:
-    """What a request's choices have produced so far, turned into choice bodies: the whole
-    response's, or a stream chunk's (what was added since the last)."""
-
-    def __init__(self, state: ServerState, request: CompletionRequest, prompts: list[Prompt]):
-        self.request, self.prompts, self.texts = request, prompts, state.token_texts
-        count = len(prompts) * request.n
-        self.text, self.reasoning = [""] * count, [""] * count
-        self.rows: list[list[LogprobRow]] = [[] for _ in range(count)]
-        self.finish: list[Optional[str]] = [None] * count
-        self.offset = [0] * count  # a completion's text sent so far (for text_offset)
-        self.prompt_rows = [[LogprobRow(p.ids[0], None, None)] for p in prompts]
-        self.echoed = [not request.echo] * count
-
-    def add(self, item: Union[Piece, PromptRows]) -> None:
-        if isinstance(item, PromptRows):
-            self.prompt_rows[item.first // self.request.n] += item.rows
-            return
-        i = item.index
-        self.text[i] += item.text
-        self.reasoning[i] += item.reasoning
-        if item.logprob is not None:
-            self.rows[i].append(item.logprob)
-        self.finish[i] = item.finish_reason or self.finish[i]
-
-    def echo(self, i: int) -> Optional[ChoiceBody]:
-        """Choice ``i``'s echoed prompt, the first time it is asked for (with ``echo``)."""
-        if self.echoed[i]:
-            return None
-        self.echoed[i] = True
-        prompt = self.prompts[i // self.request.n]
-        logprobs = None
-        if self.request.logprobs is not None:
-            logprobs = completion_logprobs(self.prompt_rows[i // self.request.n], self.texts, 0)
-        self.offset[i] = len(prompt.echo)
-        return ChoiceBody(i, prompt.echo, logprobs=logprobs)
-
-    def take(self, i: int, finish: bool = False) -> ChoiceBody:
-        """Choice ``i``'s body from what it has produced since the last ``take``."""
-        chat = self.request.kind == "chat"
-        logprobs = None
-        if self.request.logprobs is not None:
-            logprobs = (chat_logprobs(self.rows[i], self.texts) if chat
-                        else completion_logprobs(self.rows[i], self.texts, self.offset[i]))
-        body = ChoiceBody(i, self.text[i], self.finish[i] if finish else None,
-                          self.reasoning[i], logprobs)
-        self.offset[i] += len(self.text[i])
-        self.text[i] = self.reasoning[i] = ""
-        self.rows[i] = []
-        return body
-
-    def whole(self, i: int) -> ChoiceBody:
-        """Choice ``i`` whole: its echo first, if any."""
-        echo = self.echo(i)
-        body = self.take(i, finish=True)
-        if echo is None:
-            return body
-        body.text = echo.text + body.text
-        if echo.logprobs is not None:
-            body.logprobs = {k: echo.logprobs[k] + body.logprobs[k] for k in body.logprobs}
-        return body
-
-
 async def _events(
     state: ServerState,
     request: CompletionRequest,
@@ -311,7 +230,7 @@ async def _events(
     then its chunk with ``finish_reason``; the usage chunk if asked for, ``[DONE]``. A comment
     keeps the connection open while nothing comes (the request waits or feeds its prompt)."""
     header, chat = _header(request, state), request.kind == "chat"
-    answer = _Answer(state, request, prompts)
+    answer = Answer(state.token_texts, request, prompts)
     queue, ended = submissions[0].pieces, 0
     try:
         while ended < len(submissions):
@@ -397,7 +316,7 @@ def _completion_route(kind: str):
         error = next((s.error for s in submissions if s.error is not None), None)
         if error is not None:
             return _json(APIError(500, error, "server_error").body(), 500)
-        answer = _Answer(state, request, prompts)
+        answer = Answer(state.token_texts, request, prompts)
         for item in items or ():
             answer.add(item)
         choices = [answer.whole(i) for i in range(len(answer.text))]

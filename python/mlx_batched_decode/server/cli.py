@@ -153,6 +153,14 @@ def build_engine(args: argparse.Namespace, group=None):
         raise SystemExit(f"{PROG}: --max-queue must be >= 0")
     if args.keepalive_interval <= 0:
         raise SystemExit(f"{PROG}: --keepalive-interval must be > 0")
+    from ..decoding.sampling_params import SamplingParams
+
+    try:
+        # The sampling defaults, checked as a request's knobs are.
+        SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+                       min_p=args.min_p)
+    except ValueError as error:
+        raise SystemExit(f"{PROG}: {error}") from error
     config = engine_config(args)
     model, tokenizer, model_config = _load(args.model, args.chat_template)
     draft = None if args.draft_model is None else _load(args.draft_model, None)[0]

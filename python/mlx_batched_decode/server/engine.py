@@ -1,17 +1,19 @@
 """The decoding thread: one ``EngineCore`` stepped on a thread of its own.
 
-HTTP handlers (on the asyncio loop) ``submit`` checked requests and read each one's ``Piece``s
-from an ``asyncio.Queue``; the thread hands each new submission to the engine's scheduler
-(whose waiting queue is the only one: it admits up to ``max_batch_size`` requests), steps it,
-turns each request's tokens into text (``TextStream``) and hands the pieces over with
-``call_soon_threadsafe``. ``max_batch_size + max_queue`` requests are accepted at once: the
-next one is refused with 503 before anything is queued, however fast the thread admits.
+HTTP handlers (on the asyncio loop) ``submit`` checked requests, one ``Submission`` per prompt
+with its choices, and read their ``Piece``s from an ``asyncio.Queue``; the thread hands each
+new submission to the engine's scheduler (``add_choices``: the prompt fed once, its cache
+shared by the choices; the waiting queue is the only one: it admits up to ``max_batch_size``
+requests), steps it, turns each choice's tokens into text (``TextStream``) and hands the
+pieces, with their logprobs, over with ``call_soon_threadsafe``. ``max_batch_size +
+max_queue`` choices are accepted at once: the next request is refused with 503 before
+anything is queued, however fast the thread admits.
 
 A request ends as its ``StepResult`` says (an end-of-sequence token, ``max_tokens``), with its
 stop string (the text stream finds it; the engine is told it finished with ``"stop"``), or
 when its handler ``cancel``s it (a client that hung up): the engine frees its row or blocks at
 once. A step that raises ends the requests it held with an error; the thread goes on with the
-next. With tensor parallelism the thread runs on rank 0 and sends each step's plan to the other
+next (any other fault of the thread ends every request it holds, and it goes on too). With tensor parallelism the thread runs on rank 0 and sends each step's plan to the other
 ranks first (``lockstep.py``).
 """
 

@@ -4,9 +4,10 @@ Under ``mlx.launch`` with ``--tensor-parallel`` every rank holds its shard of th
 rank 0 serves HTTP and schedules. Before each step rank 0's decoding thread sends the step's
 ``StepPlan`` (the rows released and admitted since the last plan, each row's tokens, the block
 tables of the paged layout, the penalties' contexts, the chunks whose prompt logprobs are
-kept) to the other ranks, whose runners execute the same plan on their shards (``follow``): their rows hold the same requests, and the step's all-reduces line up.
-Every request samples with a seed (rank 0 draws one where the request gives none), so that
-every rank picks the same tokens. A ``None`` plan stops the followers.
+kept) to the other ranks, whose runners execute the same plan on their shards (``follow``):
+their rows hold the same requests, and the step's all-reduces line up. Every request samples
+with a seed (rank 0 draws one where the request gives none), so that every rank picks the
+same tokens. A ``None`` plan stops the followers.
 
 A plan travels as int32 values over ``mx.distributed.all_sum``, rank 0 contributing them and the
 others zeros: first its length, then the values. An admission's sampler travels as its
