@@ -225,7 +225,7 @@ def test_logprob_shapes_are_openais():
         {"token": " w7", "logprob": -9999.0, "bytes": [32, 119, 55], "top_logprobs": []},
     ]}
     echo = [LogprobRow(9, None, None), *rows]
-    assert completion_logprobs(echo, texts, 3) == {
+    assert completion_logprobs(echo, texts, [3, 6, 7]) == {
         "tokens": [" w9", "é", " w7"],
         "token_logprobs": [None, -0.25, -9999.0],
         "top_logprobs": [None, {"é": -0.25, " w7": -2.0}, {}],

@@ -294,3 +294,19 @@ def test_fuzzed_bodies_never_break_the_server(server):
     assert statuses.get(200, 0) > 20 and sum(statuses.values()) == len(bodies)
     assert get(server, "/health")[0] == 200
     assert ok(server, TEXT, greedy)[1]["choices"] == before
+
+
+def test_echoed_choices_streamed_equal_whole(server):
+    """Two prompts x 2 choices, echoed with logprobs: the stream's pieces of each choice join
+    into the whole response's choice."""
+    body = {"prompt": [words(9, 4), words(10, 3)], "max_tokens": 3, "n": 2, "echo": True,
+            "logprobs": 2}
+    whole = ok(server, TEXT, body)[1]["choices"]
+    chunks = ok(server, TEXT, {**body, "stream": True})[1][:-1]
+    for choice in whole:
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        for key in ("tokens", "token_logprobs", "text_offset"):
+            assert [x for c in mine for x in c["logprobs"][key]] == choice["logprobs"][key]
+        assert mine[-1]["finish_reason"] == choice["finish_reason"]
+    assert whole[0]["text"].startswith(words(9, 4)) and whole[2]["text"].startswith(words(10, 3))

@@ -4,6 +4,7 @@ first where asked for."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -32,8 +33,12 @@ class Answer:
         count = len(prompts) * request.n
         self.text, self.reasoning = [""] * count, [""] * count
         self.rows: list[list[LogprobRow]] = [[] for _ in range(count)]
+        # Where each row's token's text starts in its choice's text (legacy text_offset).
+        self.starts: list[list[int]] = [[] for _ in range(count)]
         self.finish: list[Optional[str]] = [None] * count
-        self.offset = [0] * count  # a completion's text sent so far (for text_offset)
+        # A choice's text before what it has not sent: its echo comes first.
+        self.offset = [len(prompts[i // request.n].echo) if request.echo else 0
+                       for i in range(count)]
         self.prompt_rows = [[LogprobRow(p.ids[0], None, None)] for p in prompts]
         self.echoed = [not request.echo] * count
 
@@ -42,10 +47,11 @@ class Answer:
             self.prompt_rows[item.first // self.request.n] += item.rows
             return
         i = item.index
-        self.text[i] += item.text
-        self.reasoning[i] += item.reasoning
         if item.logprob is not None:
             self.rows[i].append(item.logprob)
+            self.starts[i].append(self.offset[i] + len(self.text[i]))
+        self.text[i] += item.text
+        self.reasoning[i] += item.reasoning
         self.finish[i] = item.finish_reason or self.finish[i]
 
     def echo(self, i: int) -> Optional[ChoiceBody]:
@@ -56,8 +62,11 @@ class Answer:
         prompt = self.prompts[i // self.request.n]
         logprobs = None
         if self.request.logprobs is not None:
-            logprobs = completion_logprobs(self.prompt_rows[i // self.request.n], self.texts, 0)
-        self.offset[i] = len(prompt.echo)
+            # A prompt token's text is its own decode: the offsets add those up.
+            rows = self.prompt_rows[i // self.request.n]
+            lengths = [len(self.texts(row.token)) for row in rows]
+            starts = list(itertools.accumulate(lengths[:-1], initial=0))
+            logprobs = completion_logprobs(rows, self.texts, starts)
         return ChoiceBody(i, prompt.echo, logprobs=logprobs)
 
     def take(self, i: int, finish: bool = False) -> ChoiceBody:
@@ -66,12 +75,12 @@ class Answer:
         logprobs = None
         if self.request.logprobs is not None:
             logprobs = (chat_logprobs(self.rows[i], self.texts) if chat
-                        else completion_logprobs(self.rows[i], self.texts, self.offset[i]))
+                        else completion_logprobs(self.rows[i], self.texts, self.starts[i]))
         body = ChoiceBody(i, self.text[i], self.finish[i] if finish else None,
                           self.reasoning[i], logprobs)
         self.offset[i] += len(self.text[i])
         self.text[i] = self.reasoning[i] = ""
-        self.rows[i] = []
+        self.rows[i], self.starts[i] = [], []
         return body
 
     def whole(self, i: int) -> ChoiceBody:

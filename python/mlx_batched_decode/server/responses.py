@@ -85,12 +85,14 @@ def chat_logprobs(rows: Sequence[LogprobRow], texts: TokenTexts) -> dict:
     }
 
 
-def completion_logprobs(rows: Sequence[LogprobRow], texts: TokenTexts, offset: int) -> dict:
-    """A completion choice's (or chunk's) legacy ``logprobs``; ``text_offset`` counts
-    characters of the choice's text from ``offset`` (where these tokens' text starts)."""
+def completion_logprobs(
+    rows: Sequence[LogprobRow], texts: TokenTexts, offsets: Sequence[int]
+) -> dict:
+    """A completion choice's (or chunk's) legacy ``logprobs``; ``offsets``: where each token's
+    text starts in the choice's text (``text_offset``)."""
     body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                              "text_offset": []}
-    for row in rows:
+    for row, offset in zip(rows, offsets):
         text = texts(row.token)
         body["tokens"].append(text)
         body["token_logprobs"].append(None if row.logprob is None else _finite(row.logprob))
@@ -98,7 +100,6 @@ def completion_logprobs(rows: Sequence[LogprobRow], texts: TokenTexts, offset: i
             None if row.top is None else {texts(t): _finite(lp) for t, lp in row.top}
         )
         body["text_offset"].append(offset)
-        offset += len(text)
     return body
 
 
