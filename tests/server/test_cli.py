@@ -68,3 +68,21 @@ def test_choices_are_the_configs(capsys):
     with pytest.raises(SystemExit):
         parse("--kv-layout", "pages")
     assert "invalid choice: 'pages'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--min-p", "2"], "min_p must be in"),
+    (["--top-k", "-1"], "top_k must be >= 0"),
+    (["--top-p", "0"], "top_p must be in"),
+    (["--keepalive-interval", "0"], "--keepalive-interval must be > 0"),
+])
+def test_bad_sampling_defaults_stop_the_server_before_loading(flags, message):
+    with pytest.raises(SystemExit, match=rf"^{cli.PROG}: .*{message}"):
+        cli.build_engine(parse(*flags))
+
+
+def test_server_flags_of_mlx_lm_server():
+    args = parse("--top-k", "40", "--min-p", "0.05", "--allowed-origins", "http://a,http://b")
+    assert (args.top_k, args.min_p) == (40, 0.05)
+    assert args.allowed_origins == ["http://a", "http://b"]
+    assert parse().allowed_origins == ["*"]

@@ -14,7 +14,8 @@ from mlx_batched_decode.decoding.config import EngineConfig, SchedulerConfig  # 
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.decoding.engine_core import EngineCore  # noqa: E402
 from mlx_batched_decode.decoding.plan import Snapshot  # noqa: E402
-from mlx_batched_decode.server.engine import Engine, Submission  # noqa: E402
+from mlx_batched_decode.decoding.sampling_params import SamplingParams  # noqa: E402
+from mlx_batched_decode.server.engine import Choice, Engine, Submission  # noqa: E402
 from mlx_batched_decode.server.metrics import ServerMetrics  # noqa: E402
 from mlx_batched_decode.server.protocol import APIError  # noqa: E402
 from mlx_batched_decode.server.text_stream import TextStream  # noqa: E402
@@ -42,11 +43,14 @@ def metric(metrics, name, **labels):
     return metrics.registry.get_sample_value(name, labels)
 
 
-def submission(tokenizer, prompt, max_tokens, stop=()):
-    """A greedy request ending at the tokenizer's end-of-sequence ids, as the server's."""
+def submission(tokenizer, prompt, max_tokens, stop=(), n=1, **knobs):
+    """A request of ``n`` choices (greedy unless ``knobs`` say otherwise) ending at the
+    tokenizer's end-of-sequence ids, as the server's."""
+    choices = [Choice(j, TextStream(tokenizer, stop, max_tokens)) for j in range(n)]
     return Submission(
-        list(prompt), max_tokens, 0.0, 1.0, None, TextStream(tokenizer, stop, max_tokens),
-        asyncio.get_running_loop(), stop_tokens=tokenizer.eos_token_ids,
+        list(prompt), max_tokens, choices, SamplingParams(**knobs), asyncio.get_running_loop(),
+        asyncio.Queue(),
+        stop_tokens=tokenizer.eos_token_ids,
     )
 
 
@@ -64,7 +68,7 @@ async def serve_all(engine, tokenizer, prompts, max_tokens):
     engine.start()
     subs = [submission(tokenizer, p, max_tokens) for p in prompts]
     for sub in subs:
-        engine.submit(sub)
+        engine.submit([sub])
     results = [await drain(sub) for sub in subs]
     engine.stop(TIMEOUT_S)
     return results
@@ -76,9 +80,9 @@ def test_accepts_batch_plus_queue_then_503(loaded):
     async def main():
         engine = Engine(core(model, 2), ServerMetrics(), max_queue=3)
         for _ in range(5):
-            engine.submit(submission(tokenizer, [7, 8], 4))
+            engine.submit([submission(tokenizer, [7, 8], 4)])
         with pytest.raises(APIError) as refused:
-            engine.submit(submission(tokenizer, [7, 8], 4))
+            engine.submit([submission(tokenizer, [7, 8], 4)])
         assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
 
     asyncio.run(main())
@@ -130,12 +134,12 @@ def test_a_failing_step_ends_its_requests_and_the_thread_goes_on(loaded, monkeyp
         engine = Engine(engine_core, ServerMetrics(), max_queue=4)
         engine.start()
         first = submission(tokenizer, [9, 10, 11], 8)
-        engine.submit(first)
+        engine.submit([first])
         await drain(first)
         assert first.error is not None and "injected" in first.error
         assert engine_core.snapshot().running == 0
         later = submission(tokenizer, [9, 10, 11], 3)
-        engine.submit(later)
+        engine.submit([later])
         pieces = await drain(later)
         engine.stop(TIMEOUT_S)
         return later, pieces
@@ -152,13 +156,13 @@ def test_cancel_frees_the_slot_within_a_step(loaded):
         engine = Engine(core(model, 2), ServerMetrics(), max_queue=0)
         engine.start()
         long = submission(tokenizer, [9, 10, 11], 10_000)
-        engine.submit(long)
+        engine.submit([long])
         await asyncio.wait_for(long.pieces.get(), TIMEOUT_S)  # it runs
         engine.cancel(long)
         assert await drain(long) is not None and long.ended
         # Its place is free again: a full batch is accepted.
         for _ in range(2):
-            engine.submit(submission(tokenizer, [12], 2))
+            engine.submit([submission(tokenizer, [12], 2)])
         engine.stop(TIMEOUT_S)
         return engine
 
@@ -176,7 +180,7 @@ def test_stop_strings_end_a_request_and_are_not_shown(loaded):
         engine = Engine(core(model, 1), ServerMetrics(), max_queue=0)
         engine.start()
         sub = submission(tokenizer, [9, 10, 11], 8, stop=[stop])
-        engine.submit(sub)
+        engine.submit([sub])
         pieces = await drain(sub)
         engine.stop(TIMEOUT_S)
         return sub, pieces

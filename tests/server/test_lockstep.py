@@ -17,12 +17,22 @@ from mlx_batched_decode.decoding.sampling import Sampler  # noqa: E402
 from mlx_batched_decode.server.engine import Engine  # noqa: E402
 from mlx_batched_decode.server.lockstep import decode, encode, follow  # noqa: E402
 from mlx_batched_decode.server.metrics import ServerMetrics  # noqa: E402
+from mlx_batched_decode.server.text_stream import TextStream  # noqa: E402
 from tests.server.test_engine import TIMEOUT_S, drain, loaded, submission  # noqa: E402, F401
 
 
 def sampler_knobs(sampler):
-    """What a follower's sampler is made of (knobs exact in float32)."""
-    return sampler.temperature, sampler.top_p, sampler.seed, sampler.stream
+    """What a follower's sampler is made of: every knob, exactly."""
+    return sampler.params, sampler.stream
+
+
+# Every knob away from its default, at the edges a request may reach.
+EVERY_KNOB = dict(
+    temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1,
+    repetition_context_size=0, presence_penalty=-1.5, presence_context_size=64,
+    frequency_penalty=0.3, frequency_context_size=7, logit_bias={5: -100.0, 9: 2.5, 0: 1e-7},
+    xtc_probability=0.5, xtc_threshold=0.15, xtc_special_tokens=(1, 2, 3), logprobs=20,
+)
 
 
 def test_a_plan_survives_its_encoding():
@@ -32,6 +42,8 @@ def test_a_plan_survives_its_encoding():
             Admission(7, 2, Sampler(0.75, 0.875, 2**63 + 5, stream=3)),
             Release(1, 1, 0),
             Admission(8, 1, Sampler(0.0, 1.0, 0)),
+            Admission(9, 0, Sampler(seed=2**64 - 1, stream=15, **EVERY_KNOB)),
+            Admission(10, 3, Sampler(0.1 + 0.2, 1 / 3, None, **{"logit_bias": {7: 0.1}})),
         ],
         uids=[4, 8, 7],
         seq_lens=[17, 0, 0],
@@ -42,6 +54,8 @@ def test_a_plan_survives_its_encoding():
         reserve_len=3,
         num_draft_tokens=2,
         block_tables=[[3, 4], [0], [1, 2, 9]],
+        contexts=[[11, 12], None, []],
+        prompt_logprobs=[(1, 5, 8), (2, 0, -1)],
     )
     decoded = decode(encode(plan))
     changes = decoded.row_changes
@@ -101,10 +115,10 @@ def test_a_follower_executing_the_plans_takes_the_same_steps(loaded, layout, mon
         engine.start()
         # Uneven lengths, a stop string, a cancel mid-run: rows join and leave at every turn.
         subs = [submission(tokenizer, [9 + i, 10, 11][: 1 + i % 3], 4 + 3 * i) for i in range(4)]
-        subs[1].stream = type(subs[1].stream)(tokenizer, [tokenizer.decode([20])], 7)
+        subs[1].choices[0].stream = TextStream(tokenizer, [tokenizer.decode([20])], 7)
         long = submission(tokenizer, [30, 31], 10_000)
         for sub in [long, *subs]:
-            engine.submit(sub)
+            engine.submit([sub])
         await asyncio.wait_for(long.pieces.get(), TIMEOUT_S)
         engine.cancel(long)
         for sub in subs:

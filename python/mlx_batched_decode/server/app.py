@@ -1,10 +1,13 @@
 """The HTTP side: a Starlette app whose handlers check requests and read the decoding thread.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (and ``/chat/completions``, as
-mlx_lm.server), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. A request is checked,
-tokenized and measured against the context length and the KV budget before it is submitted;
-every error is OpenAI's error body, routing errors included. Bodies are written with
-``json.dumps`` as mlx_lm.server writes them, so the bytes match its own.
+mlx_lm.server), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``;
+``OPTIONS`` on each answers a CORS preflight, and every response carries the CORS headers. A
+request is checked, tokenized (on a thread of its own, off the event loop) and measured
+against the vocabulary, the context length and the KV budget before it is submitted: one
+submission per prompt, each with its ``n`` choices. Every error is OpenAI's error body,
+routing errors included. Bodies are written with ``json.dumps`` as mlx_lm.server writes them,
+so the bytes match its own.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import asyncio
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -23,73 +27,72 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from .engine import Engine, Submission
+from ..decoding.sampling_params import SamplingParams
+from .answer import Answer, Prompt
+from .engine import Choice, Engine, PromptRows, Submission, usage
+from .fields import parse_request
 from .metrics import ServerMetrics
-from .protocol import (
-    APIError,
-    CompletionRequest,
-    Defaults,
-    ResponseHeader,
-    parse_request,
-    response_body,
-    usage_body,
-)
-from .text_stream import Piece, TextStream
+from .protocol import APIError, CompletionRequest, Defaults
+from .responses import ResponseHeader, TokenTexts, response_body, usage_body
+from .text_stream import TextStream
 
 # How often a request answered whole looks for its client having hung up.
 _DISCONNECT_CHECK_S = 0.5
-_NO_PIECE = object()
 # The largest request body read: far above any prompt a context holds.
 _MAX_BODY_BYTES = 64 << 20
-# mlx_lm.server's CORS headers, on every response.
-_CORS = {
-    "Access-Control-Allow-Origin": "*",
-    "Access-Control-Allow-Methods": "*",
-    "Access-Control-Allow-Headers": "*",
-}
 
 
 @dataclass
 class ServerState:
     """What the handlers share: the model's tokenizer and names, the engine, the limits.
 
-    ``model_names``: the names a request's ``model`` may take. ``context_length``: the most
+    ``model_names``: the names a request's ``model`` may take. ``vocab_size``: the logits a
+    token gets (token ids and ``logit_bias`` ids are below it). ``context_length``: the most
     positions a request may reach (prompt + ``max_tokens``). ``chat_template_args``: keywords
-    for every ``apply_chat_template``. ``stop_timeout``: seconds the shutdown waits for the
-    decoding thread."""
+    for every ``apply_chat_template``. ``allowed_origins``: the CORS origins (``"*"``: any).
+    ``keepalive_s``: how long a stream stays silent before a comment keeps it open.
+    ``stop_timeout``: seconds the shutdown waits for the decoding thread."""
 
     engine: Engine
     tokenizer: Any
     metrics: ServerMetrics
     model_id: str
     model_names: set[str]
+    vocab_size: int
     context_length: int
     defaults: Defaults = field(default_factory=Defaults)
     chat_template_args: dict = field(default_factory=dict)
+    allowed_origins: Sequence[str] = ("*",)
+    keepalive_s: float = 5.0
     fingerprint: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     stop_timeout: float = 30.0
 
+    def __post_init__(self) -> None:
+        # One thread: tokenizers are not all safe to call from several at once.
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="mbd-tokenize")
+        self.token_texts = TokenTexts(self.tokenizer)
+        # What XTC never removes, as mlx_lm.server passes it: a newline and the end tokens.
+        self.xtc_special_tokens = (
+            *self.tokenizer.encode("\n"), *self.tokenizer.eos_token_ids
+        )
+
 
 def _json(body: Any, status: int = 200, headers: Optional[dict] = None) -> Response:
-    return Response(
-        json.dumps(body).encode(), status, {**_CORS, **(headers or {})}, "application/json"
-    )
+    return Response(json.dumps(body).encode(), status, headers, "application/json")
 
 
 def _sse(body: Any) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def _tokenize(state: ServerState, request: CompletionRequest) -> tuple[list[int], str]:
-    """The prompt's token ids and the text state it starts in, as mlx_lm.server tokenizes."""
+def _chat_prompt(state: ServerState, request: CompletionRequest) -> Prompt:
+    """The chat's prompt, as mlx_lm.server templates it."""
     tokenizer = state.tokenizer
-    if request.kind == "text":
-        return tokenizer.encode(request.prompt), "normal"
     if not tokenizer.has_chat_template:
         from mlx_lm.server import convert_chat
 
-        return tokenizer.encode(convert_chat(request.messages)), "normal"
+        return Prompt(tokenizer.encode(convert_chat(request.messages)), "")
     try:
         prompt = tokenizer.apply_chat_template(
             request.messages,
@@ -105,11 +108,46 @@ def _tokenize(state: ServerState, request: CompletionRequest) -> tuple[list[int]
         tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt)
     )
     initial = "reasoning" if thinking else "normal"
-    return list(prompt), tokenizer.response_initial_state or initial
+    return Prompt(list(prompt), "", tokenizer.response_initial_state or initial)
 
 
-def _submission(state: ServerState, request: CompletionRequest) -> Submission:
-    """The request tokenized and checked against the limits: ``APIError`` 400 before any work."""
+def _tokenize(state: ServerState, request: CompletionRequest) -> list[Prompt]:
+    """Each prompt's token ids, as mlx_lm.server tokenizes (on the tokenizing thread)."""
+    if request.kind == "chat":
+        return [_chat_prompt(state, request)]
+    prompts = []
+    for i, prompt in enumerate(request.prompts):
+        if isinstance(prompt, str):
+            prompts.append(Prompt(state.tokenizer.encode(prompt), prompt))
+            continue
+        if max(prompt) >= state.vocab_size:
+            what = "prompt" if len(request.prompts) == 1 else f"prompt[{i}]"
+            raise APIError(400, f"{what}: token id {max(prompt)} is not below the vocabulary's "
+                           f"{state.vocab_size}", code="invalid_value")
+        prompts.append(Prompt(list(prompt), state.tokenizer.decode(prompt)))
+    return prompts
+
+
+def _sampling(state: ServerState, request: CompletionRequest) -> SamplingParams:
+    """The request's sampling, checked (400 naming the knob), token ids against the
+    vocabulary included; each choice samples from its own stream of the seed."""
+    knobs = dict(request.sampling)
+    if knobs["top_k"] >= state.vocab_size:
+        knobs["top_k"] = 0  # keeps every token, as 0 does
+    try:
+        params = SamplingParams(seed=request.seed, logprobs=request.logprobs,
+                                xtc_special_tokens=state.xtc_special_tokens, **knobs)
+        params.check_vocab(state.vocab_size)
+    except ValueError as error:
+        raise APIError(400, str(error), code="invalid_value") from error
+    return params
+
+
+async def _submissions(
+    state: ServerState, request: CompletionRequest, queue: asyncio.Queue
+) -> tuple[list[Submission], list[Prompt]]:
+    """The request tokenized and checked against the limits, one submission per prompt
+    sharing ``queue``: ``APIError`` 400 before any work."""
     if request.model not in state.model_names:
         raise APIError(
             404,
@@ -117,26 +155,41 @@ def _submission(state: ServerState, request: CompletionRequest) -> Submission:
             f"{state.model_id!r} (also named 'default_model', or leave model out)",
             code="model_not_found",
         )
-    prompt, initial_state = _tokenize(state, request)
-    if not prompt:
-        raise APIError(400, "the prompt has no tokens", code="invalid_value")
-    if len(prompt) + request.max_tokens > state.context_length:
-        raise APIError(
-            400,
-            f"the prompt's {len(prompt)} tokens and max_tokens={request.max_tokens} exceed the "
-            f"model's context length of {state.context_length} tokens",
-            code="context_length_exceeded",
-        )
+    loop = asyncio.get_running_loop()
     try:
-        # Reads only the engine's configuration: safe beside the decoding thread.
-        state.engine.core.check_request(len(prompt), request.max_tokens)
-    except ValueError as error:
-        raise APIError(400, str(error), code="kv_budget_exceeded") from error
-    stream = TextStream(state.tokenizer, request.stop, request.max_tokens, initial_state)
-    return Submission(
-        prompt, request.max_tokens, request.temperature, request.top_p, request.seed, stream,
-        asyncio.get_running_loop(), stop_tokens=tuple(state.tokenizer.eos_token_ids),
-    )
+        prompts = await loop.run_in_executor(state.tokenizing, _tokenize, state, request)
+    except APIError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever the tokenizer makes of the input
+        raise APIError(400, f"the prompt could not be tokenized: {error}") from error
+    params, submissions = _sampling(state, request), []
+    for p, prompt in enumerate(prompts):
+        if not prompt.ids:
+            raise APIError(400, "the prompt has no tokens", code="invalid_value")
+        if len(prompt.ids) + request.max_tokens > state.context_length:
+            raise APIError(
+                400,
+                f"the prompt's {len(prompt.ids)} tokens and max_tokens={request.max_tokens} "
+                f"exceed the model's context length of {state.context_length} tokens",
+                code="context_length_exceeded",
+            )
+        try:
+            # Reads only the engine's configuration: safe beside the decoding thread.
+            state.engine.core.check_request(len(prompt.ids), request.max_tokens, request.n)
+        except ValueError as error:
+            raise APIError(400, str(error), code="kv_budget_exceeded") from error
+        choices = [
+            Choice(p * request.n + j, TextStream(
+                state.tokenizer, request.stop, request.max_tokens, prompt.initial_state))
+            for j in range(request.n)
+        ]
+        # An echo with logprobs reports the prompt's tokens too.
+        prompt_logprobs = request.logprobs if request.echo else None
+        submissions.append(Submission(
+            prompt.ids, request.max_tokens, choices, params, loop, queue,
+            stop_tokens=tuple(state.tokenizer.eos_token_ids), prompt_logprobs=prompt_logprobs,
+        ))
+    return submissions, prompts
 
 
 async def _read_body(request: Request) -> Any:
@@ -151,6 +204,9 @@ async def _read_body(request: Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:
         raise APIError(400, f"invalid JSON in the request body: {error}", code="invalid_json")
+    except RecursionError:
+        raise APIError(400, "invalid JSON in the request body: it nests too deeply",
+                       code="invalid_json") from None
 
 
 def _header(request: CompletionRequest, state: ServerState) -> ResponseHeader:
@@ -165,55 +221,79 @@ def _header(request: CompletionRequest, state: ServerState) -> ResponseHeader:
 
 
 async def _events(
-    state: ServerState, request: CompletionRequest, submission: Submission
+    state: ServerState,
+    request: CompletionRequest,
+    submissions: list[Submission],
+    prompts: list[Prompt],
 ) -> AsyncIterator[bytes]:
-    """The stream: a chunk whenever a token adds text (mlx_lm.server's rule), the last chunk
-    with ``finish_reason``, the usage chunk if asked for, ``[DONE]``."""
+    """The stream: for each choice a chunk whenever a token adds text (mlx_lm.server's rule),
+    then its chunk with ``finish_reason``; the usage chunk if asked for, ``[DONE]``. A comment
+    keeps the connection open while nothing comes (the request waits or feeds its prompt)."""
     header, chat = _header(request, state), request.kind == "chat"
-    text = reasoning = ""
-    finish = None
+    answer = Answer(state.token_texts, request, prompts)
+    queue, ended = submissions[0].pieces, 0
     try:
-        while (piece := await submission.pieces.get()) is not None:
-            text, reasoning = text + piece.text, reasoning + piece.reasoning
-            if piece.state != "tool" and (text or reasoning):
-                yield _sse(response_body(header, chat, True, text, None, reasoning))
-                text = reasoning = ""
-            finish = piece.finish_reason or finish
-        if submission.error is not None:
-            yield _sse(APIError(500, submission.error, "server_error").body())
+        while ended < len(submissions):
+            try:
+                item = await asyncio.wait_for(queue.get(), state.keepalive_s)
+            except asyncio.TimeoutError:
+                yield b": keep-alive\n\n"
+                continue
+            if item is None:
+                ended += 1
+                continue
+            answer.add(item)
+            if isinstance(item, PromptRows):
+                continue
+            i = item.index
+            if (echo := answer.echo(i)) is not None:
+                yield _sse(response_body(header, chat, True, [echo]))
+            if item.state != "tool" and (answer.text[i] or answer.reasoning[i]):
+                yield _sse(response_body(header, chat, True, [answer.take(i)]))
+            if item.finish_reason is not None:
+                yield _sse(response_body(header, chat, True, [answer.take(i, finish=True)]))
+        error = next((s.error for s in submissions if s.error is not None), None)
+        if error is not None:
+            yield _sse(APIError(500, error, "server_error").body())
             return
-        yield _sse(response_body(header, chat, True, text, finish, reasoning))
         if request.include_usage:
-            yield _sse(usage_body(header, submission.usage()))
+            yield _sse(usage_body(header, usage(submissions)))
         yield b"data: [DONE]\n\n"
     finally:
         # A client that hung up (the stream is closed early) ends its request.
-        state.engine.cancel(submission)
+        for submission in submissions:
+            state.engine.cancel(submission)
 
 
-async def _collect(http: Request, state: ServerState, submission: Submission) -> list[Piece]:
-    """Every piece of a request answered whole; ``[]`` if its client hung up first (checked
+async def _collect(
+    http: Request, state: ServerState, submissions: list[Submission]
+) -> Optional[list]:
+    """Every piece of a request answered whole; ``None`` if its client hung up first (checked
     every ``_DISCONNECT_CHECK_S``, however fast its pieces come)."""
     loop = asyncio.get_running_loop()
-    pieces, next_check = [], loop.time() + _DISCONNECT_CHECK_S
+    queue, items, ended = submissions[0].pieces, [], 0
+    next_check = loop.time() + _DISCONNECT_CHECK_S
     try:
-        while True:
+        while ended < len(submissions):
             try:
                 timeout = max(0.0, next_check - loop.time())
-                piece = await asyncio.wait_for(submission.pieces.get(), timeout)
+                item = await asyncio.wait_for(queue.get(), timeout)
             except asyncio.TimeoutError:
-                piece = _NO_PIECE
+                item = False
             if loop.time() >= next_check:
                 if await http.is_disconnected():
-                    state.engine.cancel(submission)
-                    return []
+                    for submission in submissions:
+                        state.engine.cancel(submission)
+                    return None
                 next_check = loop.time() + _DISCONNECT_CHECK_S
-            if piece is None:
-                return pieces
-            if piece is not _NO_PIECE:
-                pieces.append(piece)
+            if item is None:
+                ended += 1
+            elif item is not False:
+                items.append(item)
+        return items
     except asyncio.CancelledError:
-        state.engine.cancel(submission)
+        for submission in submissions:
+            state.engine.cancel(submission)
         raise
 
 
@@ -222,39 +302,46 @@ def _completion_route(kind: str):
         state: ServerState = http.app.state.server
         try:
             request = parse_request(await _read_body(http), kind, state.defaults)
-            submission = _submission(state, request)
-            state.engine.submit(submission)
+            submissions, prompts = await _submissions(state, request, asyncio.Queue())
+            state.engine.submit(submissions)
         except APIError as error:
             state.metrics.rejected.labels(str(error.status)).inc()
             return _json(error.body(), error.status, error.headers)
         if request.stream:
-            headers = {**_CORS, "Cache-Control": "no-cache"}
             return StreamingResponse(
-                _events(state, request, submission), headers=headers,
-                media_type="text/event-stream",
+                _events(state, request, submissions, prompts),
+                headers={"Cache-Control": "no-cache"}, media_type="text/event-stream",
             )
-        pieces = await _collect(http, state, submission)
-        if submission.error is not None:
-            return _json(APIError(500, submission.error, "server_error").body(), 500)
-        finish = next((p.finish_reason for p in reversed(pieces) if p.finish_reason), None)
-        body = response_body(
-            _header(request, state),
-            kind == "chat",
-            False,
-            "".join(p.text for p in pieces),
-            finish,
-            "".join(p.reasoning for p in pieces),
-            submission.usage(),
-        )
+        items = await _collect(http, state, submissions)
+        error = next((s.error for s in submissions if s.error is not None), None)
+        if error is not None:
+            return _json(APIError(500, error, "server_error").body(), 500)
+        answer = Answer(state.token_texts, request, prompts)
+        for item in items or ():
+            answer.add(item)
+        choices = [answer.whole(i) for i in range(len(answer.text))]
+        body = response_body(_header(request, state), kind == "chat", False, choices,
+                             usage(submissions))
         return _json(body)
 
     return handle
 
 
+def _model(state: ServerState) -> dict:
+    return {"id": state.model_id, "object": "model", "created": state.created}
+
+
 async def _models(http: Request) -> Response:
+    return _json({"object": "list", "data": [_model(http.app.state.server)]})
+
+
+async def _one_model(http: Request) -> Response:
     state: ServerState = http.app.state.server
-    model = {"id": state.model_id, "object": "model", "created": state.created}
-    return _json({"object": "list", "data": [model]})
+    name = http.path_params["name"]
+    if name not in state.model_names:
+        error = APIError(404, f"The model {name!r} does not exist", code="model_not_found")
+        return _json(error.body(), 404)
+    return _json(_model(state))
 
 
 async def _health(http: Request) -> Response:
@@ -278,27 +365,71 @@ async def _server_error(http: Request, error: Exception) -> Response:
     return _json(APIError(500, f"internal error: {error}", "server_error").body(), 500)
 
 
+def _route(path: str, endpoint, method: str) -> Route:
+    """``endpoint`` for ``method`` at ``path``, and ``OPTIONS`` there: a CORS preflight."""
+
+    async def handle(http: Request) -> Response:
+        if http.method == "OPTIONS":
+            return Response(status_code=204)
+        return await endpoint(http)
+
+    return Route(path, handle, methods=[method, "OPTIONS"])
+
+
+class _CORS:
+    """Adds mlx_lm.server's CORS headers to every response: ``Access-Control-Allow-Origin``
+    ``*`` (or the request's ``Origin`` if it is one of ``allowed``), methods and headers
+    ``*``."""
+
+    def __init__(self, app, allowed: Sequence[str]):
+        self.app, self.allowed = app, list(allowed)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        extra = [(b"access-control-allow-methods", b"*"), (b"access-control-allow-headers", b"*")]
+        origin = dict(scope["headers"]).get(b"origin", b"").decode("latin-1")
+        if "*" in self.allowed:
+            extra.append((b"access-control-allow-origin", b"*"))
+        elif origin in self.allowed:
+            extra += [(b"access-control-allow-origin", origin.encode("latin-1")),
+                      (b"vary", b"Origin")]
+
+        async def with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
 def create_app(state: ServerState) -> Starlette:
     """The app serving ``state``; its lifespan starts the decoding thread and, at shutdown,
     lets the requests it holds end before it stops."""
+    from starlette.middleware import Middleware
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.engine.start()
         yield
         await asyncio.to_thread(state.engine.stop, state.stop_timeout)
+        state.tokenizing.shutdown(wait=False)
 
     routes = [
-        Route("/v1/completions", _completion_route("text"), methods=["POST"]),
-        Route("/v1/chat/completions", _completion_route("chat"), methods=["POST"]),
-        Route("/chat/completions", _completion_route("chat"), methods=["POST"]),
-        Route("/v1/models", _models, methods=["GET"]),
-        Route("/health", _health, methods=["GET"]),
-        Route("/metrics", _metrics, methods=["GET"]),
+        _route("/v1/completions", _completion_route("text"), "POST"),
+        _route("/v1/chat/completions", _completion_route("chat"), "POST"),
+        _route("/chat/completions", _completion_route("chat"), "POST"),
+        _route("/v1/models", _models, "GET"),
+        # A model's id may hold slashes (an org/name repo id, a folder path).
+        _route("/v1/models/{name:path}", _one_model, "GET"),
+        _route("/health", _health, "GET"),
+        _route("/metrics", _metrics, "GET"),
     ]
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=[Middleware(_CORS, allowed=state.allowed_origins)],
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
     app.state.server = state

@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=["native", "mlx-lm"], default="native",
                         help="native (default): this server; mlx-lm: mlx_lm.server with the "
                         "plug-in, every other argument passed to it")
-    parser.add_argument("--model", required=True, help="the mlx-lm model folder to serve")
+    parser.add_argument("--model", required=True,
+                        help="the mlx-lm model to serve: a folder, or a Hugging Face repo id "
+                        "found in the local Hugging Face cache")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (8080)")
     parser.add_argument("--chat-template", default=None,
@@ -59,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temp", type=float, default=0.0,
                         help="default sampling temperature (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="default top-p (1.0)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="default top-k (0: disables top-k)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="default min-p (0.0: disables min-p)")
+    parser.add_argument("--allowed-origins", type=lambda x: x.split(","), default=["*"],
+                        help="the origins CORS allows, comma-separated (default: *)")
+    parser.add_argument("--keepalive-interval", type=float, default=5.0,
+                        help="seconds a stream stays silent before a keep-alive comment (5)")
     parser.add_argument("--max-tokens", type=int, default=512,
                         help="default max_tokens of a request (512)")
     parser.add_argument("--max-context-length", type=int, default=None,
@@ -85,12 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def context_length(model_dir: Path, tokenizer, flag: Optional[int]) -> int:
-    """The flag, else the config's ``max_position_embeddings``, else the tokenizer's
+def context_length(config: dict, tokenizer, flag: Optional[int]) -> int:
+    """The flag, else the loaded config's ``max_position_embeddings``, else the tokenizer's
     ``model_max_length`` (transformers' "unset" is a huge number), else 131072."""
     if flag is not None:
         return flag
-    config = json.loads((model_dir / "config.json").read_text())
     for value in (config.get("max_position_embeddings"), getattr(tokenizer, "model_max_length",
                                                                   None)):
         if isinstance(value, int) and 0 < value < 10**9:
@@ -99,10 +108,12 @@ def context_length(model_dir: Path, tokenizer, flag: Optional[int]) -> int:
 
 
 def _load(path: str, chat_template: Optional[str]):
+    """The model, its tokenizer and its config: from a folder, or a repo id in the local
+    Hugging Face cache (mlx-lm's ``load`` resolves it)."""
     from mlx_lm.utils import load
 
     config = {"chat_template": chat_template} if chat_template else None
-    return load(path, tokenizer_config=config)
+    return load(path, tokenizer_config=config, return_config=True)
 
 
 def fingerprint() -> str:
@@ -140,8 +151,18 @@ def build_engine(args: argparse.Namespace, group=None):
         raise SystemExit(f"{PROG}: --max-tokens must be >= 1")
     if args.max_queue < 0:
         raise SystemExit(f"{PROG}: --max-queue must be >= 0")
+    if args.keepalive_interval <= 0:
+        raise SystemExit(f"{PROG}: --keepalive-interval must be > 0")
+    from ..decoding.sampling_params import SamplingParams
+
+    try:
+        # The sampling defaults, checked as a request's knobs are.
+        SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+                       min_p=args.min_p)
+    except ValueError as error:
+        raise SystemExit(f"{PROG}: {error}") from error
     config = engine_config(args)
-    model, tokenizer = _load(args.model, args.chat_template)
+    model, tokenizer, model_config = _load(args.model, args.chat_template)
     draft = None if args.draft_model is None else _load(args.draft_model, None)[0]
     try:
         if group is not None:
@@ -152,28 +173,33 @@ def build_engine(args: argparse.Namespace, group=None):
     except ValueError as error:
         # A model the engine cannot serve: said once, no traceback.
         raise SystemExit(f"{PROG}: {error}") from error
-    return core, tokenizer
+    return core, tokenizer, model_config
 
 
-def build_state(args: argparse.Namespace, core, tokenizer, lockstep=None):
-    """The engine and the state the handlers share, around ``core``."""
+def build_state(args: argparse.Namespace, core, tokenizer, model_config: dict, lockstep=None):
+    """The engine and the state the handlers share, around ``core`` (whose model's config is
+    ``model_config``)."""
     from .app import ServerState
     from .engine import Engine
     from .metrics import ServerMetrics
     from .protocol import DEFAULT_MODEL, Defaults
 
     metrics = ServerMetrics()
+    # A folder is named by its absolute path, a repo id as given.
     model_dir = Path(args.model)
-    model_id = str(model_dir.resolve())
+    model_id = str(model_dir.resolve()) if model_dir.exists() else args.model
     return ServerState(
         engine=Engine(core, metrics, args.max_queue, lockstep),
         tokenizer=tokenizer,
         metrics=metrics,
         model_id=model_id,
         model_names={DEFAULT_MODEL, args.model, model_id},
-        context_length=context_length(model_dir, tokenizer, args.max_context_length),
-        defaults=Defaults(args.max_tokens, args.temp, args.top_p),
+        vocab_size=core.runner.target.vocab_size(),
+        context_length=context_length(model_config, tokenizer, args.max_context_length),
+        defaults=Defaults(args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p),
         chat_template_args=args.chat_template_args,
+        allowed_origins=args.allowed_origins,
+        keepalive_s=args.keepalive_interval,
         fingerprint=fingerprint(),
         stop_timeout=args.shutdown_timeout,
     )
@@ -245,14 +271,14 @@ def main(argv: Optional[list[str]] = None) -> None:
                 "mlx_batched_decode.serve --tensor-parallel --model DIR"
             )
         lockstep = Lockstep(group)
-    core, tokenizer = build_engine(args, group)
+    core, tokenizer, model_config = build_engine(args, group)
     if group is not None and group.rank() != 0:
         # Rank 0 owns the stop: a follower ends when its plans say so.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         follow(core.runner, lockstep)
         return
-    state = build_state(args, core, tokenizer, lockstep)
+    state = build_state(args, core, tokenizer, model_config, lockstep)
     logging.info(
         "serving %s on http://%s:%d (max batch %d, queue %d, %d tokens a step)",
         state.model_id, args.host, args.port, args.max_batch_size, args.max_queue,

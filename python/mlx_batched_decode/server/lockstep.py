@@ -3,18 +3,21 @@
 Under ``mlx.launch`` with ``--tensor-parallel`` every rank holds its shard of the model; only
 rank 0 serves HTTP and schedules. Before each step rank 0's decoding thread sends the step's
 ``StepPlan`` (the rows released and admitted since the last plan, each row's tokens, the block
-tables of the paged layout) to the other ranks, whose runners execute the same plan on their
-shards (``follow``): their rows hold the same requests, and the step's all-reduces line up.
-Every request samples with a seed (rank 0 draws one where the request gives none), so that
-every rank picks the same tokens. A ``None`` plan stops the followers.
+tables of the paged layout, the penalties' contexts, the chunks whose prompt logprobs are
+kept) to the other ranks, whose runners execute the same plan on their shards (``follow``):
+their rows hold the same requests, and the step's all-reduces line up. Every request samples
+with a seed (rank 0 draws one where the request gives none), so that every rank picks the
+same tokens. A ``None`` plan stops the followers.
 
 A plan travels as int32 values over ``mx.distributed.all_sum``, rank 0 contributing them and the
-others zeros: first its length, then the values (floats by their float32 bits, seeds as two
-32-bit halves).
+others zeros: first its length, then the values. An admission's sampler travels as its
+``SamplingParams.to_dict()`` in JSON, its UTF-8 bytes packed four to an int32: every value a
+request may carry (64-bit seeds, ``logit_bias``, every knob) arrives exactly.
 """
 
 from __future__ import annotations
 
+import json
 import struct
 from typing import Optional
 
@@ -23,27 +26,23 @@ import mlx.core as mx
 from ..decoding.plan import Admission, Release, StepPlan
 from ..decoding.runner import ModelRunner
 from ..decoding.sampling import Sampler
+from ..decoding.sampling_params import SamplingParams
 
 _RELEASE, _ADMISSION = 0, 1
 
 
-def _float_bits(value: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", value))[0]
+def _packed(params: SamplingParams) -> list[int]:
+    """``params`` as int32 values: the JSON's byte count, then its bytes four to a value."""
+    data = json.dumps(params.to_dict()).encode()
+    padded = data + b"\0" * (-len(data) % 4)
+    return [len(data), *struct.unpack(f"<{len(padded) // 4}i", padded)]
 
 
-def _bits_float(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<i", bits))[0]
-
-
-def _halves(value: int) -> list[int]:
-    """A 64-bit unsigned int as two int32 values."""
-    low, high = value & 0xFFFFFFFF, value >> 32
-    return [struct.unpack("<i", struct.pack("<I", half))[0] for half in (low, high)]
-
-
-def _whole(low: int, high: int) -> int:
-    low, high = (struct.unpack("<I", struct.pack("<i", half))[0] for half in (low, high))
-    return low | high << 32
+def _unpacked(read: _Reader) -> SamplingParams:
+    size = read.one()
+    words = read.take((size + 3) // 4)
+    data = struct.pack(f"<{len(words)}i", *words)[:size]
+    return SamplingParams.from_dict(json.loads(data))
 
 
 def _ints(values: list[int]) -> list[int]:
@@ -60,8 +59,7 @@ def encode(plan: Optional[StepPlan]) -> list[int]:
             values += [_RELEASE, change.row, change.last, change.length]
             continue
         sampler = change.sampler
-        values += [_ADMISSION, change.uid, change.row, _float_bits(sampler.temperature),
-                   _float_bits(sampler.top_p), *_halves(sampler.seed), sampler.stream]
+        values += [_ADMISSION, change.uid, change.row, sampler.stream, *_packed(sampler.params)]
     values += _ints(plan.uids) + _ints(plan.seq_lens)
     values += _ints([-1 if t is None else t for t in plan.next_tokens])
     values += [len(plan.chunks)] + [x for c in plan.chunks for x in _ints(c)]
@@ -70,6 +68,9 @@ def encode(plan: Optional[StepPlan]) -> list[int]:
     values += [plan.reserve_len, plan.num_draft_tokens]
     tables = plan.block_tables
     values += [-1] if tables is None else [len(tables)] + [x for t in tables for x in _ints(t)]
+    values += [len(plan.contexts)]
+    values += [x for c in plan.contexts for x in ([-1] if c is None else _ints(c))]
+    values += _ints([x for triple in plan.prompt_logprobs for x in triple])
     return values
 
 
@@ -98,8 +99,8 @@ def decode(values: list[int]) -> Optional[StepPlan]:
         if read.one() == _RELEASE:
             plan.row_changes.append(Release(*read.take(3)))
             continue
-        uid, row, temperature, top_p, low, high, stream = read.take(7)
-        sampler = Sampler(_bits_float(temperature), _bits_float(top_p), _whole(low, high), stream)
+        uid, row, stream = read.take(3)
+        sampler = Sampler.from_params(_unpacked(read), stream)
         plan.row_changes.append(Admission(uid, row, sampler))
     plan.uids, plan.seq_lens = read.ints(), read.ints()
     plan.next_tokens = [None if t < 0 else t for t in read.ints()]
@@ -110,6 +111,11 @@ def decode(values: list[int]) -> Optional[StepPlan]:
     plan.reserve_len, plan.num_draft_tokens = read.take(2)
     count = read.one()
     plan.block_tables = None if count < 0 else [read.ints() for _ in range(count)]
+    for _ in range(read.one()):
+        size = read.one()
+        plan.contexts.append(None if size < 0 else read.take(size))
+    triples = read.ints()
+    plan.prompt_logprobs = list(zip(triples[::3], triples[1::3], triples[2::3]))
     return plan
 
 

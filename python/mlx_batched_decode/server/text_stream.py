@@ -17,12 +17,15 @@ from typing import Any, Optional, Sequence
 class Piece:
     """What one token adds to a response: ``text`` (answer), ``reasoning`` (between thinking
     markers), ``state`` (the text state after it: ``"tool"`` holds a stream's chunk back) and
-    ``finish_reason`` (``"stop"``, ``"length"`` or ``None`` while it runs)."""
+    ``finish_reason`` (``"stop"``, ``"length"`` or ``None`` while it runs). The decoding thread
+    sets which choice it belongs to (``index``) and the token's ``logprob`` row if asked for."""
 
     text: str
     reasoning: str
     state: Optional[str]
     finish_reason: Optional[str]
+    index: int = 0
+    logprob: Optional[Any] = None
 
 
 class TextStream:
