@@ -42,8 +42,11 @@ def test_a_plan_survives_its_encoding():
             Admission(7, 2, Sampler(0.75, 0.875, 2**63 + 5, stream=3)),
             Release(1, 1, 0),
             Admission(8, 1, Sampler(0.0, 1.0, 0)),
-            Admission(9, 0, Sampler(seed=2**64 - 1, stream=15, **EVERY_KNOB)),
+            Admission(9, 0, Sampler(seed=2**64 - 1, stream=15, **EVERY_KNOB),
+                      forks=[(11, Sampler(seed=2**64 - 1, stream=16, **EVERY_KNOB)),
+                             (12, Sampler(0.5, seed=3, stream=17))]),
             Admission(10, 3, Sampler(0.1 + 0.2, 1 / 3, None, **{"logit_bias": {7: 0.1}})),
+            Admission(11, 4, Sampler(seed=2**64 - 1, stream=16), source=(0, 37)),
         ],
         uids=[4, 8, 7],
         seq_lens=[17, 0, 0],
@@ -66,31 +69,35 @@ def test_a_plan_survives_its_encoding():
         if isinstance(sent, Release):
             assert got == sent
         else:
-            assert (got.uid, got.row) == (sent.uid, sent.row)
+            assert (got.uid, got.row, got.source) == (sent.uid, sent.row, sent.source)
             assert sampler_knobs(got.sampler) == sampler_knobs(sent.sampler)
+            assert [(uid, sampler_knobs(f)) for uid, f in got.forks] == [
+                (uid, sampler_knobs(f)) for uid, f in sent.forks
+            ]
     assert decode(encode(StepPlan(uids=[0], seq_lens=[0], next_tokens=[1], chunks=[[]],
                                   ending=[False]))).block_tables is None
     assert decode(encode(None)) is None
 
 
 class Recorder:
-    """Rank 0's side: keeps every plan sent, as the followers get it."""
+    """Rank 0's side: keeps every plan sent, encoded as it travels."""
 
     def __init__(self):
-        self.plans = []
+        self.sent = []
 
     def send(self, plan):
-        self.plans.append(decode(encode(plan)))
+        self.sent.append(encode(plan))
 
 
 class Replayer:
-    """A follower's side: receives the recorded plans in order."""
+    """A follower's side: receives the recorded plans in order, decoded on its own thread
+    (where its samplers' keys live)."""
 
-    def __init__(self, plans):
-        self.plans = iter(plans)
+    def __init__(self, sent):
+        self.sent = iter(sent)
 
     def receive(self):
-        return next(self.plans)
+        return decode(next(self.sent))
 
 
 @pytest.mark.parametrize("layout", ["slot", "paged"])
@@ -111,10 +118,12 @@ def test_a_follower_executing_the_plans_takes_the_same_steps(loaded, layout, mon
 
     async def main():
         leader = EngineCore(model, EngineConfig(config.cache, SchedulerConfig(max_batch_size=2)))
-        engine = Engine(leader, ServerMetrics(), max_queue=4, lockstep=recorder)
+        engine = Engine(leader, ServerMetrics(), max_queue=8, lockstep=recorder)
         engine.start()
-        # Uneven lengths, a stop string, a cancel mid-run: rows join and leave at every turn.
+        # Uneven lengths, a stop string, a cancel mid-run, two choices sampling from one
+        # prompt: rows join, fork and leave at every turn.
         subs = [submission(tokenizer, [9 + i, 10, 11][: 1 + i % 3], 4 + 3 * i) for i in range(4)]
+        subs.append(submission(tokenizer, [40, 41, 42, 43], 6, n=2, temperature=1.0))
         subs[1].choices[0].stream = TextStream(tokenizer, [tokenizer.decode([20])], 7)
         long = submission(tokenizer, [30, 31], 10_000)
         for sub in [long, *subs]:
@@ -126,10 +135,13 @@ def test_a_follower_executing_the_plans_takes_the_same_steps(loaded, layout, mon
         engine.stop(TIMEOUT_S)
 
     asyncio.run(main())
-    assert recorder.plans[-1] is None
-    assert any(isinstance(c, Release) for p in recorder.plans[:-1] for c in p.row_changes)
+    plans = [decode(values) for values in recorder.sent]
+    assert plans[-1] is None
+    changes = [c for p in plans[:-1] for c in p.row_changes]
+    assert any(isinstance(c, Release) for c in changes)
+    assert any(isinstance(c, Admission) and c.source is not None for c in changes)
     side = "follower"
     follower = EngineCore(model, config)
-    steps = follow(follower.runner, Replayer(recorder.plans))
-    assert steps == len(recorder.plans) - 1 == len(outputs["leader"])
+    steps = follow(follower.runner, Replayer(recorder.sent))
+    assert steps == len(plans) - 1 == len(outputs["leader"])
     assert outputs["follower"] == outputs["leader"]

@@ -2,7 +2,8 @@
 
 Under ``mlx.launch`` with ``--tensor-parallel`` every rank holds its shard of the model; only
 rank 0 serves HTTP and schedules. Before each step rank 0's decoding thread sends the step's
-``StepPlan`` (the rows released and admitted since the last plan, each row's tokens, the block
+``StepPlan`` (the rows released and admitted since the last plan, with the forks an admission
+brings and the row a fork starts from, each row's tokens, the block
 tables of the paged layout, the penalties' contexts, the chunks whose prompt logprobs are
 kept) to the other ranks, whose runners execute the same plan on their shards (``follow``):
 their rows hold the same requests, and the step's all-reduces line up. Every request samples
@@ -45,6 +46,15 @@ def _unpacked(read: _Reader) -> SamplingParams:
     return SamplingParams.from_dict(json.loads(data))
 
 
+def _sampler(sampler: Sampler) -> list[int]:
+    return [sampler.stream, *_packed(sampler.params)]
+
+
+def _read_sampler(read: _Reader) -> Sampler:
+    stream = read.one()
+    return Sampler.from_params(_unpacked(read), stream)
+
+
 def _ints(values: list[int]) -> list[int]:
     return [len(values), *values]
 
@@ -58,8 +68,10 @@ def encode(plan: Optional[StepPlan]) -> list[int]:
         if isinstance(change, Release):
             values += [_RELEASE, change.row, change.last, change.length]
             continue
-        sampler = change.sampler
-        values += [_ADMISSION, change.uid, change.row, sampler.stream, *_packed(sampler.params)]
+        values += [_ADMISSION, change.uid, change.row, *_sampler(change.sampler)]
+        values += [len(change.forks)]
+        values += [x for uid, sampler in change.forks for x in (uid, *_sampler(sampler))]
+        values += [-1] if change.source is None else list(change.source)
     values += _ints(plan.uids) + _ints(plan.seq_lens)
     values += _ints([-1 if t is None else t for t in plan.next_tokens])
     values += [len(plan.chunks)] + [x for c in plan.chunks for x in _ints(c)]
@@ -99,9 +111,15 @@ def decode(values: list[int]) -> Optional[StepPlan]:
         if read.one() == _RELEASE:
             plan.row_changes.append(Release(*read.take(3)))
             continue
-        uid, row, stream = read.take(3)
-        sampler = Sampler.from_params(_unpacked(read), stream)
-        plan.row_changes.append(Admission(uid, row, sampler))
+        uid, row = read.take(2)
+        sampler = _read_sampler(read)
+        forks = []
+        for _ in range(read.one()):
+            fork = read.one()
+            forks.append((fork, _read_sampler(read)))
+        row_of_source = read.one()
+        source = None if row_of_source < 0 else (row_of_source, read.one())
+        plan.row_changes.append(Admission(uid, row, sampler, forks, source))
     plan.uids, plan.seq_lens = read.ints(), read.ints()
     plan.next_tokens = [None if t < 0 else t for t in read.ints()]
     plan.chunks = [read.ints() for _ in range(read.one())]
