@@ -1,7 +1,8 @@
 """End to end: ``python -m mlx_batched_decode.serve`` (the native server) on 127.0.0.1, on a
 small random-weight model folder, every server stopped at the end.
 
-- its greedy responses (text and chat, whole and streamed, with usage) equal mlx_lm.server's
+- its greedy responses (text and chat, whole and streamed, with usage; with each logits
+  processor: penalties and logit_bias) equal mlx_lm.server's
   byte for byte but for ids, times and fingerprints;
 - bad input and faults: 4xx with OpenAI's error body, never 500; a full queue is 503 with
   Retry-After; a client that hangs up frees its blocks; SIGTERM ends in-flight requests
@@ -114,6 +115,15 @@ REQUESTS = [
                               "max_tokens": 9, "stream": True,
                               "stream_options": {"include_usage": True}}),
     ("/v1/completions", {"prompt": words(7, 5), "max_tokens": 8, "stream": True}),
+    # Each logits processor of mlx_lm.server, greedy: the same answers.
+    ("/v1/completions", {"prompt": words(13, 14), "max_tokens": 12, "repetition_penalty": 1.6,
+                         "repetition_context_size": 8}),
+    ("/v1/completions", {"prompt": words(9, 10), "max_tokens": 12, "presence_penalty": 1.5,
+                         "frequency_penalty": 0.8, "frequency_context_size": 30}),
+    ("/v1/completions", {"prompt": words(10, 8), "max_tokens": 10,
+                         "logit_bias": {"17": 6.0, "40": -100}}),
+    ("/v1/completions", {"prompt": words(11, 6), "max_tokens": 10, "stream": True,
+                         "logit_bias": {"23": 2.5}, "repetition_penalty": 1.3}),
 ]
 
 

@@ -310,3 +310,80 @@ def test_echoed_choices_streamed_equal_whole(server):
             assert [x for c in mine for x in c["logprobs"][key]] == choice["logprobs"][key]
         assert mine[-1]["finish_reason"] == choice["finish_reason"]
     assert whole[0]["text"].startswith(words(9, 4)) and whole[2]["text"].startswith(words(10, 3))
+
+
+@pytest.fixture(scope="module")
+def served_model(model_dir):
+    from mlx_lm.utils import load
+
+    return load(str(model_dir))[0]
+
+
+def direct_logprobs(model, ids):
+    """float64 ``[len(ids), V]``: the log-softmax of the served model's logits at every
+    position of ``ids``, from one forward pass of its own."""
+    import mlx.core as mx
+    import numpy as np
+
+    logits = np.array(model(mx.array(ids)[None]).astype(mx.float32)[0], dtype=np.float64)
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
+def test_logprob_values_equal_a_direct_forward_pass(server, tokenizer, served_model):
+    import numpy as np
+
+    ids = tokenizer.encode(words(11, 7))
+    _, text = ok(server, TEXT, {"prompt": ids, "max_tokens": 6, "logprobs": 3})
+    logprobs = text["choices"][0]["logprobs"]
+    by_text = {tokenizer.decode([i]): i for i in range(VOCAB)}
+    generated = [by_text[t] for t in logprobs["tokens"]]
+    want = direct_logprobs(served_model, ids + generated)
+    for i, (token, value, top) in enumerate(
+        zip(generated, logprobs["token_logprobs"], logprobs["top_logprobs"])
+    ):
+        row = want[len(ids) + i - 1]
+        assert abs(value - row[token]) < 1e-3
+        best = np.argsort(-row)[:3]
+        assert [by_text[t] for t in top] == list(best)
+        assert np.allclose(list(top.values()), row[best], atol=1e-3)
+    # The whole sequence echoed and scored, nothing generated: each token given those before.
+    _, scored = ok(server, TEXT, {"prompt": ids + generated, "max_tokens": 0, "echo": True,
+                                  "logprobs": 1})
+    values = scored["choices"][0]["logprobs"]["token_logprobs"]
+    assert values[0] is None
+    sequence = ids + generated
+    assert np.allclose(values[1:], [want[p - 1, sequence[p]] for p in range(1, len(sequence))],
+                       atol=1e-3)
+    # Chat, sampled: each content entry's logprob (before temperature), its token the sampled one.
+    _, chat = ok(server, CHAT, {"messages": [{"role": "user", "content": words(12, 5)}],
+                                "max_tokens": 4, "logprobs": True, "top_logprobs": 2,
+                                "temperature": 0.7, "seed": 3})
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": words(12, 5)}],
+                                           add_generation_prompt=True)
+    content = chat["choices"][0]["logprobs"]["content"]
+    sampled = [by_text[e["token"]] for e in content]
+    want = direct_logprobs(served_model, list(prompt) + sampled)
+    for i, (token, entry) in enumerate(zip(sampled, content)):
+        assert abs(entry["logprob"] - want[len(prompt) + i - 1, token]) < 1e-3
+
+
+def test_truncation_to_one_token_samples_greedily_and_seeds_ignore_their_batch(server):
+    """``top_k: 1`` and ``min_p: 1.0`` at temperature 1 leave only the most likely token; a
+    seeded request's answer alone equals its answer among requests with other knobs."""
+    prompt = words(13, 6)
+    greedy = ok(server, TEXT, {"prompt": prompt, "max_tokens": 8})[1]["choices"][0]["text"]
+    for knob in ({"top_k": 1}, {"min_p": 1.0}):
+        for seed in (1, 2):
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": seed, **knob}
+            assert ok(server, TEXT, body)[1]["choices"][0]["text"] == greedy
+    seeded = {"prompt": prompt, "max_tokens": 8, "temperature": 1.2, "seed": 99, "top_p": 0.95,
+              "min_p": 0.02, "repetition_penalty": 1.2}
+    alone = ok(server, TEXT, seeded)[1]["choices"][0]["text"]
+    others = [{"prompt": words(14 + i, 3 + i), "max_tokens": 10, "temperature": 0.5 + i / 4,
+               "top_k": 5 + i, "presence_penalty": 0.5, "logit_bias": {str(20 + i): 3.0}}
+              for i in range(5)]
+    with ThreadPoolExecutor(6) as pool:
+        batched = pool.map(lambda body: ok(server, TEXT, body)[1], [*others, seeded])
+        answers = list(batched)
+    assert answers[-1]["choices"][0]["text"] == alone
