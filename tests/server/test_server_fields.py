@@ -387,3 +387,40 @@ def test_truncation_to_one_token_samples_greedily_and_seeds_ignore_their_batch(s
         batched = pool.map(lambda body: ok(server, TEXT, body)[1], [*others, seeded])
         answers = list(batched)
     assert answers[-1]["choices"][0]["text"] == alone
+
+
+def test_the_openai_client_reads_logprobs_scores_and_choices(server):
+    """docs/server.md's examples, with the words of this model: the official client parses
+    every answer into its types."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="none", max_retries=0,
+                    timeout=60)
+    chat = client.chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": words(15, 4)}],
+        max_tokens=8, logprobs=True, top_logprobs=3,
+    )
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token
+
+    context, continuation = words(16, 5), " " + words(17, 2)
+
+    def scored(prompt):
+        answer = client.completions.create(model="default_model", prompt=prompt, max_tokens=0,
+                                           echo=True, logprobs=1)
+        return answer.choices[0].logprobs
+
+    whole, alone = scored(context + continuation), scored(context)
+    count = len(whole.tokens) - len(alone.tokens)
+    assert count == 2 and whole.tokens[: len(alone.tokens)] == alone.tokens
+    assert whole.token_logprobs[0] is None and alone.token_logprobs[0] is None
+    assert all(abs(a - b) < 1e-4 for a, b in zip(whole.token_logprobs[1:], alone.token_logprobs[1:]))
+    assert sum(whole.token_logprobs[-count:]) < 0
+
+    four = client.completions.create(
+        model="default_model", prompt=words(18, 4), max_tokens=6, n=4, temperature=0.8,
+        seed=7, extra_body={"top_k": 40},
+    )
+    assert [choice.index for choice in four.choices] == [0, 1, 2, 3]
+    assert four.usage.prompt_tokens == len(words(18, 4).split())
