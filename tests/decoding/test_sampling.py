@@ -421,3 +421,41 @@ def test_sampler_keeps_its_attributes_and_takes_params():
     logits = logits_of(1)
     twin = Sampler(0.5, 0.8, 9, 2, top_k=4)
     assert [sampler(logits).item() for _ in range(5)] == [twin(logits).item() for _ in range(5)]
+
+
+def test_tokens_ruled_out_are_never_drawn_under_heavy_masking():
+    """The inverse CDF over rows with almost all of the vocabulary at zero probability (-inf
+    logits, among them the first and last tokens and runs between the live ones): 200 draws of
+    each of 64 rows, seeded and not, only ever give live tokens, and each live token comes up."""
+    vocab, rows = 4096, 64
+    rng = np.random.default_rng(7)
+    logits = np.full((rows, vocab), -np.inf, dtype=np.float32)
+    live = [np.sort(rng.choice(np.arange(1, vocab - 1), 3, replace=False)) for _ in range(rows)]
+    for r, tokens in enumerate(live):
+        # One live token is far less likely than the others, but still possible.
+        logits[r, tokens] = [0.0, 1.0, -3.0]
+    logits = mx.array(logits)
+    samplers = [Sampler(1.0, seed=r if r % 2 else None) for r in range(rows)]
+    seen = [set() for _ in range(rows)]
+    for _ in range(200):
+        for r, token in enumerate(sample_rows(samplers, logits).tokens.tolist()):
+            assert token in live[r], (r, token)
+            seen[r].add(token)
+    assert all(len(s) >= 2 for s in seen)
+    assert sum(len(s) == 3 for s in seen) > rows // 2
+
+
+def test_a_seeded_row_draws_the_same_alone_and_among_32_other_rows():
+    """Row 0 keeps its seed and knobs; the 31 rows beside it change every step (other seeds,
+    unseeded, greedy, other truncations), over a 32,000-token vocabulary."""
+    vocab = 32000
+    logits = mx.random.normal((32, vocab), key=mx.random.key(8)) * 3
+    knobs = dict(temperature=0.9, seed=123, top_k=50, min_p=0.01)
+    alone, together = Sampler(**knobs), Sampler(**knobs)
+    rng = np.random.default_rng(9)
+    others = [dict(), dict(temperature=1.0), dict(temperature=1.2, seed=5), dict(temperature=0.7, top_p=0.9),
+              dict(temperature=1.0, seed=6, top_k=3), dict(temperature=1.0, xtc_probability=0.5, xtc_threshold=0.01)]
+    for step in range(8):
+        beside = [Sampler(**others[i]) for i in rng.integers(0, len(others), 31)]
+        batch = sample_rows([together] + beside, logits).tokens[0].item()
+        assert batch == alone(logits[:1]).item(), step
