@@ -217,17 +217,13 @@ TRUNCATIONS = [
 ]
 
 
-def test_truncations_keep_the_tokens_mlx_lms_sampler_chain_keeps():
-    """Per row, in one batch: the tokens left by top-p, min-p, XTC (always applied here) and
-    top-k are the ones mlx-lm's ``apply_*`` chain leaves."""
-    rows = len(TRUNCATIONS)
-    logits = mx.random.normal((rows, 200), key=mx.random.key(4)) * 3
-    # Token 1 is one of row 7's likeliest: XTC would remove it but for its special id.
-    logits[7, 1] = mx.max(logits[7]) + 0.5
+def assert_truncations_match_mlx_lm(truncations, logits):
+    """Row r of ``logits`` under ``truncations[r]``, all in one ``_truncate``: the tokens left
+    are the ones mlx-lm's ``apply_*`` chain leaves, and some are cut (none without knobs)."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    samplers = [Sampler(1.0, seed=r, **knobs) for r, knobs in enumerate(TRUNCATIONS)]
+    samplers = [Sampler(1.0, seed=r, **knobs) for r, knobs in enumerate(truncations)]
     masked = sampling._truncate(samplers, [s.params for s in samplers], logprobs)
-    for r, knobs in enumerate(TRUNCATIONS):
+    for r, knobs in enumerate(truncations):
         p = samplers[r].params
         reference = logprobs[r : r + 1]
         if p.top_p < 1.0:
@@ -242,8 +238,33 @@ def test_truncations_keep_the_tokens_mlx_lms_sampler_chain_keeps():
         kept = np.isfinite(np.array(masked[r]))
         expected = np.isfinite(np.array(reference[0]))
         assert (kept == expected).all(), knobs
-        assert 0 < kept.sum() < 200 or not knobs, knobs
+        assert 0 < kept.sum() < logits.shape[-1] or not knobs, knobs
+    return masked
+
+
+def test_truncations_keep_the_tokens_mlx_lms_sampler_chain_keeps():
+    """Per row, in one batch: the tokens left by top-p, min-p, XTC (always applied here) and
+    top-k are the ones mlx-lm's ``apply_*`` chain leaves."""
+    logits = mx.random.normal((len(TRUNCATIONS), 200), key=mx.random.key(4)) * 3
+    # Token 1 is one of row 7's likeliest: XTC would remove it but for its special id.
+    logits[7, 1] = mx.max(logits[7]) + 0.5
+    masked = assert_truncations_match_mlx_lm(TRUNCATIONS, logits)
     assert np.isfinite(np.array(masked[7]))[1]
+
+
+def test_top_p_under_top_k_cuts_among_the_top_k_without_a_sort(monkeypatch):
+    """Every top-p row also under top-k and no XTC: top-p's cut comes from the top-k
+    candidates (no sort of the vocabulary), the same tokens as mlx-lm's chain, whether the cut
+    falls among the k, below them, or after min-p's; rows beside them keep XTC."""
+    monkeypatch.setattr(sampling, "_top_p", None)
+    truncations = [
+        dict(top_p=0.9, top_k=40), dict(top_p=0.3, top_k=7), dict(top_p=0.99, top_k=3),
+        dict(top_p=0.95, min_p=0.02, top_k=30), dict(top_p=0.6, min_p=0.3, top_k=100),
+        dict(top_k=5), dict(xtc_probability=1.0, xtc_threshold=0.05), dict(min_p=0.1), dict(),
+    ]
+    for seed in range(5):
+        logits = mx.random.normal((len(truncations), 300), key=mx.random.key(seed)) * 2.5
+        assert_truncations_match_mlx_lm(truncations, logits)
 
 
 def reference_distribution(base, temperature, top_p=1.0, top_k=0, min_p=0.0):
