@@ -387,10 +387,10 @@ def _top_k(logprobs: mx.array, top_k: Sequence[int], top_p: Optional[mx.array] =
     """Row r keeps the tokens at least as likely as its ``top_k[r]``-th most likely (0: all),
     found with a partition of the largest k and a sort of those k columns.
 
-    With ``top_p [R, 1]``, every row with ``top_p < 1`` has a top-k and ``logprobs`` are its
-    normalized logprobs after top-p's successors min-p (-inf, a tail of those k) and no XTC:
-    top-p's cut (mlx-lm's, the mass above each token summed from the most likely down, the
-    total taken as 1) is then the last of those k whose mass above stays under ``top_p``."""
+    With ``top_p [R, 1]`` (``_truncate``'s rows under top-p all have a top-k and no XTC, and
+    their ``logprobs`` are normalized, with min-p's -inf at most a tail of the k), top-p's cut
+    comes from the same k columns: the last whose mass above (mlx-lm's, summed from the most
+    likely down, the total taken as 1) stays under ``top_p``, if it comes before the k-th."""
     most = max(top_k)
     largest = -mx.partition(-logprobs, kth=most - 1, axis=-1)[:, :most]
     descending = -mx.sort(-largest, axis=-1)
