@@ -217,17 +217,13 @@ TRUNCATIONS = [
 ]
 
 
-def test_truncations_keep_the_tokens_mlx_lms_sampler_chain_keeps():
-    """Per row, in one batch: the tokens left by top-p, min-p, XTC (always applied here) and
-    top-k are the ones mlx-lm's ``apply_*`` chain leaves."""
-    rows = len(TRUNCATIONS)
-    logits = mx.random.normal((rows, 200), key=mx.random.key(4)) * 3
-    # Token 1 is one of row 7's likeliest: XTC would remove it but for its special id.
-    logits[7, 1] = mx.max(logits[7]) + 0.5
+def assert_truncations_match_mlx_lm(truncations, logits):
+    """Row r of ``logits`` under ``truncations[r]``, all in one ``_truncate``: the tokens left
+    are the ones mlx-lm's ``apply_*`` chain leaves, and some are cut (none without knobs)."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    samplers = [Sampler(1.0, seed=r, **knobs) for r, knobs in enumerate(TRUNCATIONS)]
+    samplers = [Sampler(1.0, seed=r, **knobs) for r, knobs in enumerate(truncations)]
     masked = sampling._truncate(samplers, [s.params for s in samplers], logprobs)
-    for r, knobs in enumerate(TRUNCATIONS):
+    for r, knobs in enumerate(truncations):
         p = samplers[r].params
         reference = logprobs[r : r + 1]
         if p.top_p < 1.0:
@@ -242,8 +238,33 @@ def test_truncations_keep_the_tokens_mlx_lms_sampler_chain_keeps():
         kept = np.isfinite(np.array(masked[r]))
         expected = np.isfinite(np.array(reference[0]))
         assert (kept == expected).all(), knobs
-        assert 0 < kept.sum() < 200 or not knobs, knobs
+        assert 0 < kept.sum() < logits.shape[-1] or not knobs, knobs
+    return masked
+
+
+def test_truncations_keep_the_tokens_mlx_lms_sampler_chain_keeps():
+    """Per row, in one batch: the tokens left by top-p, min-p, XTC (always applied here) and
+    top-k are the ones mlx-lm's ``apply_*`` chain leaves."""
+    logits = mx.random.normal((len(TRUNCATIONS), 200), key=mx.random.key(4)) * 3
+    # Token 1 is one of row 7's likeliest: XTC would remove it but for its special id.
+    logits[7, 1] = mx.max(logits[7]) + 0.5
+    masked = assert_truncations_match_mlx_lm(TRUNCATIONS, logits)
     assert np.isfinite(np.array(masked[7]))[1]
+
+
+def test_top_p_under_top_k_cuts_among_the_top_k_without_a_sort(monkeypatch):
+    """Every top-p row also under top-k and no XTC: top-p's cut comes from the top-k
+    candidates (no sort of the vocabulary), the same tokens as mlx-lm's chain, whether the cut
+    falls among the k, below them, or after min-p's; rows beside them keep XTC."""
+    monkeypatch.setattr(sampling, "_top_p", None)
+    truncations = [
+        dict(top_p=0.9, top_k=40), dict(top_p=0.3, top_k=7), dict(top_p=0.99, top_k=3),
+        dict(top_p=0.95, min_p=0.02, top_k=30), dict(top_p=0.6, min_p=0.3, top_k=100),
+        dict(top_k=5), dict(xtc_probability=1.0, xtc_threshold=0.05), dict(min_p=0.1), dict(),
+    ]
+    for seed in range(5):
+        logits = mx.random.normal((len(truncations), 300), key=mx.random.key(seed)) * 2.5
+        assert_truncations_match_mlx_lm(truncations, logits)
 
 
 def reference_distribution(base, temperature, top_p=1.0, top_k=0, min_p=0.0):
@@ -421,3 +442,41 @@ def test_sampler_keeps_its_attributes_and_takes_params():
     logits = logits_of(1)
     twin = Sampler(0.5, 0.8, 9, 2, top_k=4)
     assert [sampler(logits).item() for _ in range(5)] == [twin(logits).item() for _ in range(5)]
+
+
+def test_tokens_ruled_out_are_never_drawn_under_heavy_masking():
+    """The inverse CDF over rows with almost all of the vocabulary at zero probability (-inf
+    logits, among them the first and last tokens and runs between the live ones): 200 draws of
+    each of 64 rows, seeded and not, only ever give live tokens, and each live token comes up."""
+    vocab, rows = 4096, 64
+    rng = np.random.default_rng(7)
+    logits = np.full((rows, vocab), -np.inf, dtype=np.float32)
+    live = [np.sort(rng.choice(np.arange(1, vocab - 1), 3, replace=False)) for _ in range(rows)]
+    for r, tokens in enumerate(live):
+        # One live token is far less likely than the others, but still possible.
+        logits[r, tokens] = [0.0, 1.0, -3.0]
+    logits = mx.array(logits)
+    samplers = [Sampler(1.0, seed=r if r % 2 else None) for r in range(rows)]
+    seen = [set() for _ in range(rows)]
+    for _ in range(200):
+        for r, token in enumerate(sample_rows(samplers, logits).tokens.tolist()):
+            assert token in live[r], (r, token)
+            seen[r].add(token)
+    assert all(len(s) >= 2 for s in seen)
+    assert sum(len(s) == 3 for s in seen) > rows // 2
+
+
+def test_a_seeded_row_draws_the_same_alone_and_among_32_other_rows():
+    """Row 0 keeps its seed and knobs; the 31 rows beside it change every step (other seeds,
+    unseeded, greedy, other truncations), over a 32,000-token vocabulary."""
+    vocab = 32000
+    logits = mx.random.normal((32, vocab), key=mx.random.key(8)) * 3
+    knobs = dict(temperature=0.9, seed=123, top_k=50, min_p=0.01)
+    alone, together = Sampler(**knobs), Sampler(**knobs)
+    rng = np.random.default_rng(9)
+    others = [dict(), dict(temperature=1.0), dict(temperature=1.2, seed=5), dict(temperature=0.7, top_p=0.9),
+              dict(temperature=1.0, seed=6, top_k=3), dict(temperature=1.0, xtc_probability=0.5, xtc_threshold=0.01)]
+    for step in range(8):
+        beside = [Sampler(**others[i]) for i in rng.integers(0, len(others), 31)]
+        batch = sample_rows([together] + beside, logits).tokens[0].item()
+        assert batch == alone(logits[:1]).item(), step
