@@ -1,8 +1,10 @@
 """Every request field through HTTP, on the native server (a process on 127.0.0.1, always
 stopped): several choices and prompts, logprobs (chat and legacy, echoed prompts included),
 seeds of any 64-bit value, the endpoints and CORS, keep-alive comments, a step that fails, a
-model named by a Hugging Face repo id from the local cache, and a fuzz of a few hundred bodies
-that no answer of which is a 5xx."""
+model named by a Hugging Face repo id from the local cache, a fuzz of a few hundred bodies
+that no answer of which is a 5xx; logprobs against a direct forward pass of the served model,
+truncations to one token and seeded requests among others, the docs' examples with the
+``openai`` client, and a slow tokenizer beside an open stream."""
 
 import http.client
 import json
@@ -424,3 +426,52 @@ def test_the_openai_client_reads_logprobs_scores_and_choices(server):
     )
     assert [choice.index for choice in four.choices] == [0, 1, 2, 3]
     assert four.usage.prompt_tokens == len(words(18, 4).split())
+
+
+SLOW_TOKENIZER = """
+import runpy, sys, time
+from mlx_batched_decode.server import app
+real = app._tokenize
+def tokenize(state, request):
+    if "slowly" in str(request.prompts):
+        time.sleep(2.0)
+    return real(state, request)
+app._tokenize = tokenize
+sys.argv = ["serve", *sys.argv[1:]]
+runpy.run_module("mlx_batched_decode.serve", run_name="__main__")
+"""
+
+
+def test_tokenizing_leaves_the_streams_flowing(model_dir, tokenizer, tmp_path):
+    """A prompt that takes 2 s to tokenize: a stream open meanwhile keeps getting its tokens
+    (the tokenizer runs off the event loop)."""
+    args = ["--model", str(model_dir), "--log-level", "WARNING"]
+    command = [sys.executable, "-c", SLOW_TOKENIZER]
+    with running_server([*command, *args], tmp_path / "slow.log", STARTUP_TIMEOUT_S,
+                        STOP_TIMEOUT_S) as (port, _):
+        arrivals, slow_sent = [], []
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        # No end-of-sequence token: the stream runs its 3,000 tokens (several seconds).
+        body = {"prompt": words(19, 4), "max_tokens": 3000, "stream": True,
+                "logit_bias": {str(t): -100 for t in tokenizer.eos_token_ids}}
+        connection.request("POST", TEXT, body=json.dumps(body),
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+
+        def slow():
+            slow_sent.append(time.monotonic())
+            post(port, TEXT, {"prompt": "slowly " + words(20, 3), "max_tokens": 2})
+
+        worker = None
+        while line := response.readline():
+            if line.startswith(b"data: {"):
+                arrivals.append(time.monotonic())
+                if len(arrivals) == 5:
+                    worker = threading.Thread(target=slow)
+                    worker.start()
+        worker.join()
+    start = slow_sent[0]
+    during = [t for t in arrivals if start + 0.3 < t < start + 1.7]
+    assert arrivals[-1] > start + 2.0, "the stream ended before the slow tokenizing did"
+    assert len(during) > 5
