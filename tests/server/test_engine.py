@@ -149,6 +149,43 @@ def test_a_failing_step_ends_its_requests_and_the_thread_goes_on(loaded, monkeyp
     assert later.completion_tokens == 3
 
 
+def test_a_fault_outside_a_step_ends_what_it_held_and_the_thread_goes_on(loaded, monkeypatch):
+    """``schedule`` raising (the engine's state unknown): every request held ends with an
+    error, nothing stays accepted, the thread lives and serves the next request."""
+    model, tokenizer = loaded
+    engine_core = core(model, 4)
+    real_schedule, calls = engine_core.schedule, []
+
+    def schedule():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real_schedule()
+
+    monkeypatch.setattr(engine_core, "schedule", schedule)
+
+    async def main():
+        engine = Engine(engine_core, ServerMetrics(), max_queue=4)
+        engine.start()
+        held = [submission(tokenizer, [9 + i, 10, 11], 8) for i in range(2)]
+        for sub in held:
+            engine.submit([sub])
+        for sub in held:
+            await drain(sub)
+        assert all("injected" in sub.error for sub in held)
+        assert engine.alive and engine.accepted == 0
+        assert engine_core.snapshot().running == 0
+        later = submission(tokenizer, [9, 10, 11], 3)
+        engine.submit([later])
+        pieces = await drain(later)
+        engine.stop(TIMEOUT_S)
+        return engine, later, pieces
+
+    engine, later, pieces = asyncio.run(main())
+    assert later.error is None and pieces[-1].finish_reason == "length"
+    assert not engine.alive
+
+
 def test_cancel_frees_the_slot_within_a_step(loaded):
     model, tokenizer = loaded
 
