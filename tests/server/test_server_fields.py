@@ -173,6 +173,8 @@ real = EngineCore.run
 def run(self, plan, *args, **kwargs):
     if any(%d in chunk for chunk in plan.chunks):
         raise RuntimeError("injected fault")
+    if any(%d in chunk for chunk in plan.chunks):
+        raise SystemExit("a fault no turn survives")
     return real(self, plan, *args, **kwargs)
 EngineCore.run = run
 sys.argv = ["serve", *sys.argv[1:]]
@@ -182,10 +184,12 @@ runpy.run_module("mlx_batched_decode.serve", run_name="__main__")
 
 def test_a_failing_step_ends_only_its_requests(model_dir, tmp_path):
     """A step whose prompt holds the marker token raises: that request is a 500 (an error
-    event when streamed), the server stays healthy and answers the next requests alike."""
-    marker = VOCAB - 1
+    event when streamed), the server stays healthy and answers the next requests alike. A
+    fault that ends the decoding thread ends its request too; /health and new requests are
+    503 from then on."""
+    marker, fatal = VOCAB - 1, VOCAB - 2
     args = ["--model", str(model_dir), "--log-level", "CRITICAL"]
-    command = [sys.executable, "-c", FAULT % marker]
+    command = [sys.executable, "-c", FAULT % (marker, fatal)]
     with running_server([*command, *args], tmp_path / "fault.log", STARTUP_TIMEOUT_S,
                         STOP_TIMEOUT_S) as (port, process):
         before = ok(port, TEXT, {"prompt": words(6, 4), "max_tokens": 5})[1]
@@ -197,6 +201,10 @@ def test_a_failing_step_ends_only_its_requests(model_dir, tmp_path):
         assert get(port, "/health")[0] == 200
         after = ok(port, TEXT, {"prompt": words(6, 4), "max_tokens": 5})[1]
         assert after["choices"] == before["choices"]
+        status, _, raw = post(port, TEXT, {"prompt": [5, fatal], "max_tokens": 5})
+        assert status == 500 and "decoding thread is gone" in json.loads(raw)["error"]["message"]
+        assert get(port, "/health")[0] == 503
+        assert post(port, TEXT, {"prompt": words(6, 4), "max_tokens": 5})[0] == 503
 
 
 def test_a_repo_id_from_the_local_hugging_face_cache(model_dir, tmp_path, monkeypatch):

@@ -136,6 +136,8 @@ class Engine:
         self._cancels: list[Submission] = []
         self._accepted = 0
         self._stopping = False
+        # Set when the thread ended by a fault, not a stop: nothing is accepted any more.
+        self._gone = False
         self._live: dict[int, tuple[Submission, Choice]] = {}
         # Every submission the thread took and has not ended (what a fault ends).
         self._held: list[Submission] = []
@@ -160,6 +162,8 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise APIError(503, "the server is shutting down", "unavailable_error")
+            if self._gone:
+                raise APIError(503, "the decoding thread is gone", "unavailable_error")
             if self._accepted + count > self.max_batch_size + self.max_queue:
                 raise APIError(
                     503,
@@ -189,6 +193,18 @@ class Engine:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # Ended by what no turn survives (not a stop): no request is left waiting.
+            with self._lock:
+                self._gone = not self._stopping
+                waiting, self._arrived = self._held + self._arrived, []
+            for submission in waiting:
+                if not submission.ended:
+                    self._fail(submission, "the decoding thread is gone")
+
+    def _loop(self) -> None:
         while True:
             with self._lock:
                 while not (self._arrived or self._cancels or self._live or self._stopping):
