@@ -1,7 +1,9 @@
 """Choosing each row's next token from a step's logits, every row in one batched pass.
 
 A request's ``Sampler`` holds its ``SamplingParams`` and, with a seed, its own random stream,
-so that its tokens do not depend on the requests beside it. ``sample_rows`` turns the step's
+so that its tokens do not depend on the requests beside it: a seeded draw is a function of
+(seed, stream, step, slot) computed on the host, so the draws of a step's seeded rows travel
+as one array (and a tensor-parallel follower's rebuilt sampler draws the same numbers). ``sample_rows`` turns the step's
 knobs into per-row arrays and follows mlx-lm (``generate_step`` with ``make_logits_processors``
 and ``make_sampler``) for every row at once:
 
@@ -11,7 +13,7 @@ and ``make_sampler``) for every row at once:
 3. greedy rows take the argmax; the others truncate the logprobs in mlx-lm's order top-p,
    min-p, XTC, top-k, and sample the softmax of the truncated logprobs over the temperature
    by its inverse CDF: one uniform draw per row (after XTC's), of a seeded row from its own
-   keys, of the others from MLX's global random state. Top-k keeps every token tied with the
+   counter-based stream (``Sampler.uniform``), of the others from MLX's global random state. Top-k keeps every token tied with the
    k-th; a top-k of V or more keeps all (mlx-lm refuses it).
 
 Each stage runs only when some row of the step uses it.
@@ -29,6 +31,20 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import mlx.core as mx
 
 from .sampling_params import SamplingParams
+
+
+_MASK64 = (1 << 64) - 1
+# splitmix64's increment (2^64 / the golden ratio) and a float32-exact 2^-24.
+_GAMMA = 0x9E3779B97F4A7C15
+_UNIT = 1.0 / (1 << 24)
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's output function: a bijection of 64-bit ints whose outputs at consecutive
+    positions pass BigCrush."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 class Sampler:
@@ -58,10 +74,12 @@ class Sampler:
         if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
             raise ValueError(f"stream must be an integer >= 0, got {stream!r}")
         self.stream = stream
-        self._key = None
+        # Its stream's origin in splitmix64's sequence and the steps it has drawn (host ints).
+        self._origin = None
         if self.seed is not None:
-            key = mx.random.key(self.seed)
-            self._key = mx.random.split(key, stream + 1)[stream] if stream else key
+            base = _mix64((self.seed + _GAMMA) & _MASK64)
+            self._origin = _mix64((base + (stream + 1) * _GAMMA) & _MASK64)
+        self._steps = 0
         # The vocabulary size its token ids were last checked against.
         self._vocab = None
 
@@ -75,12 +93,20 @@ class Sampler:
     seed = property(lambda self: self.params.seed)
     greedy = property(lambda self: self.params.greedy)
 
-    def next_key(self) -> Optional[mx.array]:
-        """The next key of its own stream (``None`` without a seed)."""
-        if self._key is None:
+    def next_step(self) -> Optional[int]:
+        """The index of its stream's next step, counting it as drawn (``None`` without a
+        seed): that step's draws are ``uniform(step, slot)``."""
+        if self._origin is None:
             return None
-        self._key, key = mx.random.split(self._key)
-        return key
+        self._steps += 1
+        return self._steps - 1
+
+    def uniform(self, step: int, slot: int) -> float:
+        """Draw ``slot`` (0: XTC's, 1: the token's) of step ``step`` of its stream, in
+        [0, 1) on a grid of 2^-24 (exact in float32): splitmix64 at its own position, a
+        function of (seed, stream, step, slot) alone."""
+        position = (self._origin + (2 * step + slot + 1) * _GAMMA) & _MASK64
+        return (_mix64(position) >> 40) * _UNIT
 
     def check_vocab(self, vocab_size: int) -> None:
         """``SamplingParams.check_vocab``, once per vocabulary size."""
@@ -281,10 +307,11 @@ def _choose(samplers: Sequence[Sampler], processed: mx.array, logprobs: mx.array
     # Top-p and XTC read probabilities; the other truncations and the sampling are the same
     # on the logits, which spares an exp over the vocabulary.
     reads_probs = any(p.top_p < 1.0 or p.xtc_probability > 0.0 for p in params)
-    masked = _truncate(samplers, params, logprobs if reads_probs else processed.astype(mx.float32))
+    # Each seeded row's step: its XTC draw (slot 0) and its token's (slot 1).
+    steps = [s.next_step() if on else None for s, on in zip(samplers, live)]
+    masked = _truncate(samplers, steps, params, logprobs if reads_probs else processed.astype(mx.float32))
     temperatures = mx.array([p.temperature or 1.0 for p in params], dtype=mx.float32)[:, None]
-    # One draw per row, after XTC's.
-    chosen = _inverse_cdf(masked, _LOG2_E / temperatures, _uniform(samplers, live))
+    chosen = _inverse_cdf(masked, _LOG2_E / temperatures, _uniform(samplers, steps, 1, live))
     if not all(live):
         chosen = mx.where(mx.array(live), chosen, greedy)
     return chosen
@@ -311,10 +338,12 @@ def _inverse_cdf(masked: mx.array, scale: mx.array, uniform: mx.array) -> mx.arr
 
 
 def _truncate(
-    samplers: Sequence[Sampler], params: Sequence[SamplingParams], logprobs: mx.array
+    samplers: Sequence[Sampler], steps: Sequence[Optional[int]], params: Sequence[SamplingParams],
+    logprobs: mx.array,
 ) -> mx.array:
     """``logprobs [R, V]`` with -inf for the tokens row r's ``params[r]`` rules out, in
-    mlx-lm's order: top-p, min-p, XTC (drawing from ``samplers[r]``'s stream), top-k. Without
+    mlx-lm's order: top-p, min-p, XTC (drawing from step ``steps[r]`` of ``samplers[r]``'s
+    stream, ``None``: MLX's global random state), top-k. Without
     top-p and XTC, logits (logprobs plus a row's constant) give the same tokens."""
     vocab = logprobs.shape[-1]
 
@@ -335,7 +364,7 @@ def _truncate(
         floor = mx.max(masked, axis=-1, keepdims=True) + floor
         masked = mx.where(masked < floor, -mx.inf, masked)
     if any(p.xtc_probability > 0.0 for p in params):
-        masked = _xtc(samplers, params, masked)
+        masked = _xtc(samplers, steps, params, masked)
     if any(top_k):
         masked = _top_k(masked, top_k, column(lambda p: p.top_p) if any(nucleus) and among_top_k else None)
     return masked
@@ -362,12 +391,15 @@ def _top_p(logprobs: mx.array, top_p: mx.array, uses: Sequence[bool]) -> mx.arra
     return mx.where(logprobs < threshold, -mx.inf, logprobs)
 
 
-def _xtc(samplers: Sequence[Sampler], params: Sequence[SamplingParams], logprobs: mx.array) -> mx.array:
+def _xtc(
+    samplers: Sequence[Sampler], steps: Sequence[Optional[int]], params: Sequence[SamplingParams],
+    logprobs: mx.array,
+) -> mx.array:
     """mlx-lm's ``apply_xtc`` per row: with probability ``xtc_probability`` (a uniform draw,
-    from the row's own stream when seeded), every token above ``xtc_threshold`` but the
-    least likely of them goes, the row's ``xtc_special_tokens`` never."""
+    ``_uniform``'s slot 0), every token above ``xtc_threshold`` but the least likely of them
+    goes, the row's ``xtc_special_tokens`` never."""
     uses = [p.xtc_probability > 0.0 for p in params]
-    draws = _uniform(samplers, uses)
+    draws = _uniform(samplers, steps, 0, uses)
     chance = mx.array([p.xtc_probability for p in params], dtype=mx.float32)
     applied = mx.array(uses) & (draws <= chance)
     threshold = mx.array([p.xtc_threshold for p in params], dtype=mx.float32)[:, None]
@@ -404,16 +436,19 @@ def _top_k(logprobs: mx.array, top_k: Sequence[int], top_p: Optional[mx.array] =
     return mx.where(logprobs < threshold, -mx.inf, logprobs)
 
 
-def _uniform(samplers: Sequence[Sampler], uses: Sequence[bool]) -> mx.array:
-    """float32 draws in [0, 1) ``[R]``: a row that ``uses`` one and is seeded draws from its
-    own next key, the others from MLX's global random state."""
-    keys = [s.next_key() if on else None for s, on in zip(samplers, uses)]
-    seeded = [r for r, key in enumerate(keys) if key is not None]
-    if not seeded:
+def _uniform(
+    samplers: Sequence[Sampler], steps: Sequence[Optional[int]], slot: int, uses: Sequence[bool]
+) -> mx.array:
+    """float32 draws in [0, 1) ``[R]``: a row that ``uses`` one and is seeded takes draw
+    ``slot`` of its step ``steps[r]`` (computed on the host: one array, not ops per row), the
+    others draw from MLX's global random state (rows not using theirs: any value)."""
+    seeded = [on and step is not None for on, step in zip(uses, steps)]
+    if not any(seeded):
         return mx.random.uniform(shape=(len(samplers),))
-    own = mx.vmap(lambda key: mx.random.uniform(shape=(), key=key))(mx.stack([keys[r] for r in seeded]))
-    if len(seeded) == len(samplers):
+    own = mx.array(
+        [s.uniform(step, slot) if on else 0.0 for s, step, on in zip(samplers, steps, seeded)],
+        dtype=mx.float32,
+    )
+    if all(own_row or not on for on, own_row in zip(uses, seeded)):
         return own
-    draws = mx.random.uniform(shape=(len(samplers),))
-    draws[mx.array(seeded, dtype=mx.int32)] = own
-    return draws
+    return mx.where(mx.array(seeded), own, mx.random.uniform(shape=(len(samplers),)))
