@@ -417,22 +417,28 @@ def _xtc(
 
 def _top_k(logprobs: mx.array, top_k: Sequence[int], top_p: Optional[mx.array] = None) -> mx.array:
     """Row r keeps the tokens at least as likely as its ``top_k[r]``-th most likely (0: all),
-    found with a partition of the largest k and a sort of those k columns.
+    found with a partition of the largest k: the first of them when every row has that k,
+    else from a sort of those k columns.
 
     With ``top_p [R, 1]`` (``_truncate``'s rows under top-p all have a top-k and no XTC, and
     their ``logprobs`` are normalized, with min-p's -inf at most a tail of the k), top-p's cut
     comes from the same k columns: the last whose mass above (mlx-lm's, summed from the most
     likely down, the total taken as 1) stays under ``top_p``, if it comes before the k-th."""
-    most = max(top_k)
-    largest = -mx.partition(-logprobs, kth=most - 1, axis=-1)[:, :most]
-    descending = -mx.sort(-largest, axis=-1)
-    k = mx.array(top_k, dtype=mx.int32)[:, None]
-    last = mx.maximum(k - 1, 0)
-    if top_p is not None:
-        above = mx.cumsum(mx.exp(descending), axis=-1, inclusive=False)
-        last = mx.where(top_p < 1.0, mx.minimum(last, (above < top_p).sum(axis=-1, keepdims=True) - 1), last)
-    threshold = mx.take_along_axis(descending, last, axis=-1)
-    threshold = mx.where(k > 0, threshold, -mx.inf)
+    most, vocab = max(top_k), logprobs.shape[-1]
+    # A partition at V - k leaves the k largest last, unordered: no negations over R x V.
+    largest = mx.partition(logprobs, kth=vocab - most, axis=-1)[:, vocab - most :]
+    if top_p is None and len(set(top_k)) == 1:
+        threshold = largest[:, :1]
+    else:
+        ascending = mx.sort(largest, axis=-1)
+        k = mx.array(top_k, dtype=mx.int32)[:, None]
+        # The k-th largest sits at index most - k of the ascending k.
+        index = most - mx.maximum(k, 1)
+        if top_p is not None:
+            above = mx.cumsum(mx.exp(ascending), axis=-1, reverse=True, inclusive=False)
+            under = (above < top_p).sum(axis=-1, keepdims=True)
+            index = mx.where(top_p < 1.0, mx.maximum(index, most - under), index)
+        threshold = mx.where(k > 0, mx.take_along_axis(ascending, index, axis=-1), -mx.inf)
     return mx.where(logprobs < threshold, -mx.inf, logprobs)
 
 
