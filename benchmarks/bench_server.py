@@ -443,13 +443,15 @@ def main_features(args):
             ("with_s", "with (s)", "{:.4f}"),
             ("without_s", "plain twin (s)", "{:.4f}"),
             ("ratio", "ratio", "{:.3f}x"),
+            ("floor_ratio", "floor ratio", "{:.3f}x"),
             ("prompt_tokens_fed", "prompt fed, n=4", "{}"),
             ("prompt_tokens_fed_n1", "prompt fed, n=1", "{}"),
         ],
     )
     print("knobs: a decode step of 32 requests with their own seed, top_k, min_p, penalties and "
           "logit_bias / 32 greedy; prompt logprobs: time to first token of a 1,024-token prompt "
-          "with / without; n: time to all 4 choices' first tokens / n=1")
+          "with / without (floor: the last layer and the head over every prompt row, nothing "
+          "after); n: time to all 4 choices' first tokens / n=1")
     path = save(args.output or "server_features",
                 {"machine": machine(), "config": dict(CONFIG, vocab_size=args.vocab),
                  "args": vars(args), "rows": rows})

@@ -7,7 +7,11 @@ run, rounds alternating.
   penalties and a ``logit_bias``, against 32 greedy requests: the median time of a step in which
   all 32 decode (no prompt fed);
 - ``prompt logprobs``: one 1,024-token prompt with its prompt tokens' logprobs (the top 1, as
-  lm-evaluation-harness asks) against the same prompt without: time to its first token;
+  lm-evaluation-harness asks) against the same prompt without: time to its first token. Its
+  floor (``floor_s``): the same steps with the model's last layer and head run over every
+  prompt row and nothing after the head. A plain prompt's chunks but the last run neither
+  (their keys and values are all they write), so that work is what the logprobs cannot avoid;
+  the log-softmax and the top-1 are what they add to it;
 - ``n``: ``n: 4`` on a 1,024-token prompt against ``n: 1``: time until every choice has its
   first token, and the prompt tokens fed (``StepResult.prompt_tokens``, which the server's
   ``mbd_prompt_tokens_total`` counts).
@@ -23,9 +27,11 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from contextlib import contextmanager
 
 import mlx.core as mx
 
+from mlx_batched_decode.decoding import runner
 from mlx_batched_decode.decoding.config import CacheConfig, EngineConfig, SchedulerConfig
 from mlx_batched_decode.decoding.engine_core import EngineCore
 from mlx_batched_decode.decoding.sampling import Sampler
@@ -90,6 +96,23 @@ def first_tokens_time(model, vocab: int, n: int, logprobs: bool, seed: int) -> t
     return time.perf_counter() - start, fed
 
 
+@contextmanager
+def _head_only():
+    """While active, the rows of a prompt asking for its logprobs get their logits and
+    nothing after them (the floor of ``prompt logprobs``)."""
+    real = runner.prompt_logprobs
+    runner.prompt_logprobs = lambda logits, targets, k: (logits[:, 0], None, None)
+    try:
+        yield
+    finally:
+        runner.prompt_logprobs = real
+
+
+def _floor(model, vocab: int, seed: int) -> float:
+    with _head_only():
+        return first_tokens_time(model, vocab, 1, True, seed)[0]
+
+
 def run(rounds: int, vocab: int, seed: int) -> list[dict]:
     """Each case and its plain twin, ``rounds`` times alternating: one row per case."""
     from bench_server import CONFIG
@@ -125,6 +148,9 @@ def run(rounds: int, vocab: int, seed: int) -> list[dict]:
                "with_s": statistics.median(with_), "without_s": statistics.median(without)}
         row["ratio"] = row["with_s"] / row["without_s"]
         rows.append(row)
+    floors = [_floor(model, vocab, seed + r) for r in range(rounds)]
+    rows[1]["floor_s"] = statistics.median(floors)
+    rows[1]["floor_ratio"] = rows[1]["floor_s"] / rows[1]["without_s"]
     _, fed_n = first_tokens_time(model, vocab, CHOICES, False, seed)
     _, fed_1 = first_tokens_time(model, vocab, 1, False, seed)
     rows[-1]["prompt_tokens_fed"] = fed_n
