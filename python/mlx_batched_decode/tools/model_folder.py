@@ -1,6 +1,6 @@
-"""A random-weight mlx-lm model folder with a small word-level tokenizer, made offline.
+"""Random-weight mlx-lm model folders with small tokenizers, made offline.
 
-``save_model_folder`` writes what ``mlx_lm.load`` and ``mlx_lm.server --model DIR`` read:
+``save_model_folder`` (a word-level tokenizer) writes what ``mlx_lm.load`` and ``mlx_lm.server --model DIR`` read:
 
 - ``model.safetensors`` (+ index) and ``config.json``, written with mlx-lm's own ``save_model``
   and ``save_config`` from a model built by ``random_model``;
@@ -10,6 +10,12 @@
   text of such words, separated by spaces, round-trips through it);
 - ``tokenizer_config.json``: the tokenizer class, the special tokens and a chat template
   (``<|role|> content`` per message, then ``<|assistant|>``).
+
+``save_byte_model_folder`` writes the same files with a byte-level tokenizer instead, over
+which any text is reachable (what grammar-constrained decoding needs): ids 0-255 are the
+bytes (GPT-2's byte-to-character map, a BPE with no merges), then ``BYTE_SPECIAL_TOKENS``:
+``<|end|>`` (end of sequence), the chat roles, and ``<think>``/``</think>`` (a thinking
+section's ends). The model's vocabulary may exceed the tokenizer's (padded logits).
 """
 
 from __future__ import annotations
@@ -26,6 +32,13 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|> {{ message['content'] }} "
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+
+BYTE_SPECIAL_TOKENS = [EOS_TOKEN, "<|system|>", "<|user|>", "<|assistant|>", "<think>", "</think>"]
+# The byte tokenizer's size: 256 bytes, then its special tokens.
+BYTE_VOCAB = 256 + len(BYTE_SPECIAL_TOKENS)
+BYTE_EOS_ID = 256
+BYTE_THINK_END_ID = 256 + BYTE_SPECIAL_TOKENS.index("</think>")
 
 
 def word(token_id: int) -> str:
@@ -60,6 +73,55 @@ def save_model_folder(config: dict[str, Any], path: Union[str, Path], seed: int 
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": "<unk>",
+        "eos_token": EOS_TOKEN,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 1 << 20,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return path
+
+
+def byte_tokenizer(special_tokens: list[str] = BYTE_SPECIAL_TOKENS) -> Any:
+    """A ``tokenizers.Tokenizer`` of the 256 bytes (ids 0-255: byte ``i`` is id ``i``, as GPT-2's
+    byte-level characters, no merges) and then ``special_tokens``."""
+    import tokenizers
+    from tokenizers import decoders, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {_byte_char(b): b for b in range(256)}
+    assert set(vocab) == set(alphabet)
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(special_tokens)
+    return tokenizer
+
+
+def _byte_char(b: int) -> str:
+    """GPT-2's printable character for byte ``b`` (``bytes_to_unicode``)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + sum(1 for x in range(b) if x not in printable))
+
+
+def save_byte_model_folder(config: dict[str, Any], path: Union[str, Path], seed: int = 0) -> Path:
+    """Write a random-weight model of ``config`` (float32) with the byte-level tokenizer to
+    ``path``; ``config["vocab_size"]`` is at least ``BYTE_VOCAB`` (more: padded logits, ids
+    no text maps to). Returns ``path``."""
+    from mlx_lm.utils import save_config, save_model
+
+    path = Path(path)
+    if config["vocab_size"] < BYTE_VOCAB:
+        raise ValueError(
+            f"[save_byte_model_folder] vocab_size must be at least {BYTE_VOCAB}, "
+            f"got {config['vocab_size']}"
+        )
+    save_model(path, random_model(config, seed=seed))
+    save_config({**config, "eos_token_id": BYTE_EOS_ID}, path / "config.json")
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS_TOKEN,
         "chat_template": CHAT_TEMPLATE,
         "model_max_length": 1 << 20,
