@@ -10,6 +10,9 @@ and ``make_sampler``) for every row at once:
 1. processors on the float32 logits: ``logit_bias``, then the repetition, presence and
    frequency penalties, each over its own window of the row's context;
 2. ``logprobs = processed - logsumexp(processed)`` (what the request's logprobs report);
+   a grammar-constrained row's logits have -inf for its forbidden tokens before step 1, so
+   its logprobs are those of the constrained distribution, as vLLM's (which applies the
+   grammar bitmask to the logits before its sampler computes logprobs);
 3. greedy rows take the argmax; the others truncate the logprobs in mlx-lm's order top-p,
    min-p, XTC, top-k, and sample the softmax of the truncated logprobs over the temperature
    by its inverse CDF: one uniform draw per row (after XTC's), of a seeded row from its own
@@ -140,19 +143,27 @@ def _custom(sampler: Sampler) -> bool:
 
 
 def sample_rows(
-    samplers: Sequence[Sampler], logits: mx.array, contexts: Optional[mx.array] = None
+    samplers: Sequence[Sampler],
+    logits: mx.array,
+    contexts: Optional[mx.array] = None,
+    masks: Optional[tuple[Optional[mx.array], mx.array]] = None,
 ) -> Sampled:
     """Row ``r`` of ``logits [R, V]`` chosen by ``samplers[r]``.
 
     ``contexts``: int32 ``[R, C]``, row r's last C context tokens (prompt then generated
     tokens, the token fed at that row last), left-padded with -1; each penalty reads the last
     columns of its own context size (all C for a size of 0). Needed only when some sampler
-    penalizes. One batched pass over the plain samplers' rows (per-row knobs as arrays), and
-    one call of each custom sampler (``Sampler``'s docstring) over its own rows.
+    penalizes. ``masks``: ``(rows, bitmask)``, the grammar-constrained rows (int32
+    ``[R_c]``, ``None``: all R) and their allowed tokens (int32 ``[R_c, W]``, token t allowed
+    where bit ``t % 32`` of word ``t // 32`` is set; tokens past ``32 W`` are not). One
+    batched pass over the plain samplers' rows (per-row knobs as arrays), and one call of each
+    custom sampler (``Sampler``'s docstring) over its own rows.
     """
     vocab = logits.shape[-1]
     for sampler in samplers:
         sampler.check_vocab(vocab)
+    if masks is not None:
+        logits = _constrain(logits, *masks)
     params = [s.params for s in samplers]
     processed = _process(params, logits, contexts)
     # Lazy: computed only where a sampled row or a logprobs report reads it.
@@ -163,6 +174,25 @@ def sample_rows(
         return Sampled(tokens)
     chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return Sampled(tokens, chosen, *_top(logprobs, max(asked)))
+
+
+def _constrain(logits: mx.array, rows: Optional[mx.array], bitmask: mx.array) -> mx.array:
+    """``logits [R, V]`` with -inf for the tokens ``bitmask [R_c, W]`` forbids in ``rows
+    [R_c]`` (``None``: every row), before any processor: the penalties, the logprobs, greedy
+    choice and every truncation see only allowed tokens. The bits unpack on the device
+    (word ``t >> 5``, bit ``t & 31``); the other rows are not touched."""
+    vocab, width = logits.shape[-1], bitmask.shape[-1]
+    bits = (bitmask[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
+    allowed = bits.reshape(bitmask.shape[0], 32 * width)
+    if 32 * width >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        allowed = mx.pad(allowed, [(0, 0), (0, vocab - 32 * width)])
+    if rows is None:
+        return mx.where(allowed.astype(mx.bool_), logits, -mx.inf)
+    # Added (0 or -inf) into the constrained rows alone, a scatter of R_c x V.
+    penalty = mx.where(allowed.astype(mx.bool_), 0.0, -mx.inf).astype(logits.dtype)
+    return logits.at[rows].add(penalty)
 
 
 def prompt_logprobs(
