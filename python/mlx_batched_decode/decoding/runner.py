@@ -234,7 +234,7 @@ class ModelRunner:
                     self.grammar_compiler.executor, requests, len(mask_rows), width
                 )
                 every = len(mask_rows) == len(sample_at)
-                masks = (None if every else mx.array(mask_rows, dtype=mx.int32), mx.array(bitmask))
+                masks = (None if every else mask_rows, mx.array(bitmask))
         if sample_at:
             rows = logits if len(sample_at) == len(logit_rows) else logits[mx.array(sample_at)]
             contexts = _contexts(plan, sampled_rows, proposal, k)
