@@ -8,7 +8,8 @@ triples of printable ASCII: no download):
    ``sample_rows`` (16 constrained rows of 32, against the same call without masks);
    a matcher made from the cached template (``deep_copy``) against one made anew;
 2. a decode step of 16 constrained + 16 plain requests against 32 plain ones on a small
-   random model with that vocabulary (the plain requests' tokens compared too);
+   random model with that vocabulary, the two batches' steps taken in turns (the plain
+   requests' tokens compared too);
 3. time to first token of a request with a new schema (its compile included: the server's
    ``check`` before queueing) beside one with a cached schema.
 
@@ -109,9 +110,9 @@ def apply_cost(vocab, rows=32, constrained=16, repeats=15):
     logits = mx.array(rng.standard_normal((rows, vocab), dtype=np.float32) * 3)
     width = (vocab + 31) // 32
     bitmask = mx.array(rng.integers(-(2**31), 2**31 - 1, (constrained, width), dtype=np.int64).astype(np.int32))
-    which = mx.array(np.arange(0, rows, rows // constrained, dtype=np.int32))
+    which = list(range(0, rows, rows // constrained))
     samplers = [Sampler(1.0, seed=r) for r in range(rows)]
-    mx.eval(logits, bitmask, which)
+    mx.eval(logits, bitmask)
 
     def call(masks):
         return lambda: mx.eval(sample_rows(samplers, logits, None, masks).tokens)
@@ -137,10 +138,9 @@ def matcher_costs(compiler, spec, count=200):
     return copy * 1e6, anew * 1e6
 
 
-def decode_steps(model, compiler, kind, constrained, steps, prompt_len=32, batch=32):
-    """Median ms of ``steps`` decode steps of ``batch`` requests (the first ``constrained`` with
-    grammar ``kind``, max_tokens past the steps and no stop token), and the plain requests'
-    tokens."""
+def decoder_of(model, compiler, kind, constrained, steps, prompt_len=32, batch=32):
+    """A decoder with ``batch`` requests queued, the first ``constrained`` of grammar ``kind``
+    (max_tokens past the steps, no stop token), and their ids."""
     rng = np.random.default_rng(1)
     dec = BatchedDecoder(model, kv_step=64, max_step_tokens=batch * prompt_len, grammar_compiler=compiler)
     uids = []
@@ -148,17 +148,27 @@ def decode_steps(model, compiler, kind, constrained, steps, prompt_len=32, batch
         prompt = rng.integers(0, compiler.vocab_size - 1, prompt_len).tolist()
         grammar = SPECS[kind] if r < constrained else None
         uids.append(dec.add_request(prompt, steps + 8, sampler=Sampler(1.0, seed=r), grammar=grammar))
-    tokens = {u: [] for u in uids}
-    times = []
-    while len(times) < steps + 1:
-        start = time.perf_counter()
-        result = dec.step()
-        times.append(time.perf_counter() - start)
-        for uid, new in result.tokens.items():
-            tokens[uid] += new
-    # The first step feeds the prompts.
-    running = dec.core.snapshot().running
-    return float(np.median(times[1:])) * 1e3, [tokens[u] for u in uids[constrained:]], running
+    return dec, uids
+
+
+def decode_steps(model, compiler, kind, steps, constrained=16):
+    """Median ms of a decode step of 32 plain requests and of ``constrained`` constrained +
+    the rest plain, their steps taken in turns (the prompts' step aside); whether the plain
+    requests' tokens are the same in both, and the requests still running at the end."""
+    runs = [decoder_of(model, compiler, kind, c, steps) for c in (0, constrained)]
+    times = [[], []]
+    tokens = [{u: [] for u in uids} for _, uids in runs]
+    for step in range(steps + 1):
+        for (dec, _), seconds, out in zip(runs, times, tokens):
+            start = time.perf_counter()
+            result = dec.step()
+            if step:
+                seconds.append(time.perf_counter() - start)
+            for uid, new in result.tokens.items():
+                out[uid] += new
+    plain = [[out[u] for u in uids[constrained:]] for out, (_, uids) in zip(tokens, runs)]
+    ms = [float(np.median(t)) * 1e3 for t in times]
+    return ms[0], ms[1], plain[0] == plain[1], runs[1][0].core.snapshot().running
 
 
 def first_token_ms(model, compiler, spec, prompt_len=32):
@@ -177,9 +187,8 @@ def first_token_ms(model, compiler, spec, prompt_len=32):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=24, help="decode steps timed per run")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
     parser.add_argument("--mask-steps", type=int, default=40)
-    parser.add_argument("--runs", type=int, default=3, help="runs of each batch in turns, median of medians")
     parser.add_argument("--output", default="grammar", help="results/<name>.json")
     args = parser.parse_args()
 
@@ -190,7 +199,7 @@ def main():
     built = time.perf_counter()
     compiler = GrammarCompiler(tokenizer, vocab)
     llg_seconds = time.perf_counter() - built
-    info = machine() | {"vocab": vocab, "model": MODEL, "steps": args.steps, "runs": args.runs}
+    info = machine() | {"vocab": vocab, "model": MODEL, "steps": args.steps}
     print(describe_machine(info), flush=True)
     print(f"tokenizer of {vocab} tokens built in {built - start:.1f} s, llguidance's view in {llg_seconds:.1f} s", flush=True)
 
@@ -210,14 +219,7 @@ def main():
     model = random_model(dict(MODEL, vocab_size=vocab), seed=0)
     step_rows = []
     for kind in SPECS:
-        plain_runs, mixed_runs = [], []
-        for _ in range(args.runs):
-            ms, plain_tokens, _ = decode_steps(model, compiler, kind, 0, args.steps)
-            plain_runs.append(ms)
-            ms, mixed_tokens, running = decode_steps(model, compiler, kind, 16, args.steps)
-            mixed_runs.append(ms)
-        same = mixed_tokens == plain_tokens[16:]
-        plain, mixed = float(np.median(plain_runs)), float(np.median(mixed_runs))
+        plain, mixed, same, running = decode_steps(model, compiler, kind, args.steps)
         step_rows.append({"grammar": kind, "plain_ms": plain, "mixed_ms": mixed, "ratio": mixed / plain,
                           "plain_tokens_identical": same, "running_at_end": running})
         print(step_rows[-1], flush=True)

@@ -10,6 +10,8 @@ matching (the check has teeth).
 import json
 import re
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 pytest.importorskip("mlx_lm")
@@ -21,7 +23,7 @@ from mlx_batched_decode.decoding import runner as runner_module  # noqa: E402
 from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.decoding.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
 from mlx_batched_decode.decoding.request import FinishReason  # noqa: E402
-from mlx_batched_decode.decoding.sampling import Sampler  # noqa: E402
+from mlx_batched_decode.decoding.sampling import Sampler, sample_rows  # noqa: E402
 from mlx_batched_decode.tools.model_folder import (  # noqa: E402
     BYTE_EOS_ID,
     BYTE_THINK_END_ID,
@@ -291,26 +293,30 @@ def test_a_grammar_that_does_not_compile_is_refused_before_queueing(served):
     assert not dec.core.has_requests
 
 
+class Spy(Sampler):
+    """Keeps the logits ``sample_rows`` hands it (after the masks), chooses token 0."""
+
+    def __call__(self, logits, contexts=None):
+        self.seen = logits
+        return mx.zeros((logits.shape[0],), dtype=mx.int32)
+
+
 @pytest.mark.parametrize("vocab, extra_words", [(272, 0), (300, -2), (1000, 1)])
 def test_masks_forbid_exactly_the_cleared_bits(vocab, extra_words):
-    """``sample_rows``' mask step: -inf where a row's bit is clear (and past the bitmask's
-    words), the logits themselves elsewhere, other rows untouched; any rows, in runs or not."""
-    import mlx.core as mx
-    import numpy as np
-
-    from mlx_batched_decode.decoding.sampling import _constrain
-
+    """``sample_rows``' masks: -inf where a row's bit is clear (and past the bitmask's words),
+    the logits themselves elsewhere, other rows untouched; any rows, in runs or not."""
     rng = np.random.default_rng(vocab)
     width, count = (vocab + 31) // 32 + extra_words, 9
     logits = rng.standard_normal((count, vocab)).astype(np.float32)
     for rows in [None, [0], [1, 2, 3, 7], [8], [2, 4, 5]]:
         picked = list(range(count)) if rows is None else rows
         bitmask = rng.integers(-(2**31), 2**31 - 1, (len(picked), width)).astype(np.int32)
-        got = np.array(_constrain(mx.array(logits), rows, mx.array(bitmask)))
+        spy = Spy()
+        sample_rows([spy] * count, mx.array(logits), None, (rows, mx.array(bitmask)))
         columns = np.arange(min(vocab, 32 * width))
         expected = np.full((len(picked), vocab), -np.inf, dtype=np.float32)
         allowed = (bitmask[:, columns >> 5] >> (columns & 31)) & 1 == 1
         expected[:, columns] = np.where(allowed, logits[picked][:, columns], -np.inf)
         reference = logits.copy()
         reference[picked] = expected
-        assert np.array_equal(got, reference)
+        assert np.array_equal(np.array(spy.seen), reference)
