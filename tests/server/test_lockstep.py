@@ -151,3 +151,55 @@ def test_a_follower_executing_the_plans_takes_the_same_steps(loaded, layout, mon
     steps = follow(follower.runner, Replayer(recorder.sent))
     assert steps == len(plans) - 1 == len(outputs["leader"])
     assert outputs["follower"] == outputs["leader"]
+
+
+def test_a_follower_makes_the_same_grammar_masks(tmp_path, monkeypatch):
+    """Constrained requests (n choices, a thinking section, drafts) under lockstep: the
+    follower's runner, making its matchers from the grammars its plans carry, samples what
+    the leader's does."""
+    import json
+
+    import mlx_lm.utils
+
+    from mlx_batched_decode.decoding.grammar import GrammarCompiler
+    from mlx_batched_decode.tools.model_folder import (
+        BYTE_EOS_ID, BYTE_THINK_END_ID, BYTE_VOCAB, save_byte_model_folder,
+    )
+    from tests.support.mlx_lm_models import SMALL_LLAMA
+
+    model, tokenizer = mlx_lm.utils.load(
+        str(save_byte_model_folder(dict(SMALL_LLAMA, vocab_size=BYTE_VOCAB + 10), tmp_path, seed=1))
+    )
+    compiler = GrammarCompiler(tokenizer, BYTE_VOCAB + 10)
+    outputs = {"leader": [], "follower": []}
+    side = "leader"
+    real_execute = ModelRunner.execute
+
+    def recording_execute(runner, plan, *args):
+        output = real_execute(runner, plan, *args)
+        outputs[side].append(output)
+        return output
+
+    monkeypatch.setattr(ModelRunner, "execute", recording_execute)
+    config = EngineConfig(CacheConfig(kv_step=16), SchedulerConfig(max_batch_size=6), draft=True)
+    leader = EngineCore(model, config, model, grammar_compiler=compiler)
+    prompt = tokenizer.encode("<|user|> hi <|assistant|>")
+    schema = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    leader.add_choices(prompt, 40, [Sampler(1.0, seed=1, stream=j) for j in range(3)],
+                       stop_tokens=[BYTE_EOS_ID], grammar=GrammarSpec("regex", "[a-z]{1,8}"))
+    leader.add_request(prompt, 40, stop_tokens=[BYTE_EOS_ID], sampler=Sampler(1.0, seed=2),
+                       grammar=schema)
+    leader.add_request(prompt, 40, stop_tokens=[BYTE_EOS_ID],
+                       sampler=Sampler(1.0, seed=3, logit_bias={BYTE_THINK_END_ID: 3.0}),
+                       grammar=GrammarSpec("choice", '["yes", "no"]'), grammar_after=BYTE_THINK_END_ID)
+    leader.add_request(prompt, 12, sampler=Sampler(1.0, seed=4))
+    sent = []
+    while (plan := leader.schedule()) is not None:
+        sent.append(encode(plan))
+        leader.run(plan)
+    sent.append(encode(None))
+    side = "follower"
+    follower = EngineCore(model, config, model, grammar_compiler=compiler)
+    assert follow(follower.runner, Replayer(sent)) == len(outputs["leader"])
+    assert outputs["follower"] == outputs["leader"]
+    assert any(o.grammar_ends for o in outputs["leader"])
