@@ -320,3 +320,17 @@ def test_masks_forbid_exactly_the_cleared_bits(vocab, extra_words):
         reference = logits.copy()
         reference[picked] = expected
         assert np.array_equal(np.array(spy.seen), reference)
+
+
+def test_a_compiler_wider_than_the_logits_is_refused(served, tmp_path):
+    model, _, tokenizer, _ = served
+    wide = GrammarCompiler(tokenizer, VOCAB + 32)
+    dec = BatchedDecoder(model, kv_step=16, grammar_compiler=wide)
+    with pytest.raises(ValueError, match="exceeds"):
+        dec.add_request(prompt(tokenizer), 10, grammar=SPECS["regex"])
+    # The tokenizer's own size (the logits' padding past it) is fine.
+    narrow = BatchedDecoder(model, kv_step=16, grammar_compiler=GrammarCompiler(tokenizer, BYTE_VOCAB))
+    uid = narrow.add_request(prompt(tokenizer), 30, stop_tokens=[BYTE_EOS_ID], sampler=Sampler(1.0, seed=0),
+                             grammar=SPECS["regex"])
+    tokens, _, reasons = drain(narrow)
+    assert reasons[uid] == FinishReason.STOP and valid("regex", tokenizer.decode(tokens[uid]))

@@ -20,6 +20,10 @@ a request but its last one, ``next_token`` (t0), at positions ``0 .. seq_len - 1
 Each emitted y_j is the target's sample given exactly the tokens emitted before it, so greedy
 output is the target's greedy output, and temperature sampling keeps the target's distribution.
 
+Grammar-constrained requests: the draft proposes without its grammar (the target decides); the
+target's row j is masked by the grammar's state after d1 .. dj (``ModelRunner``), so a draft
+token the grammar rejects is never the target's sample there and acceptance ends before it.
+
 Dimension legend: R = running requests, k = draft tokens per request.
 """
 
