@@ -173,11 +173,12 @@ class EngineCore:
             return
         if self.grammar_compiler is None:
             raise ValueError("[BatchedDecoder] this engine has no grammar compiler: no grammar")
-        if self.grammar_compiler.vocab_size > self.vocab_size:
+        width = self.grammar_compiler.vocab_size
+        if width > self.vocab_size:
             # Its masks could allow only ids the logits lack.
             raise ValueError(
-                f"[BatchedDecoder] the grammar compiler's vocabulary ({self.grammar_compiler.vocab_size} "
-                f"tokens) exceeds the model's logits ({self.vocab_size})"
+                f"[BatchedDecoder] the grammar compiler's vocabulary ({width} tokens) exceeds "
+                f"the model's logits ({self.vocab_size})"
             )
         if after is not None and not 0 <= after < self.vocab_size:
             raise ValueError(

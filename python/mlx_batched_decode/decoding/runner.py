@@ -222,7 +222,8 @@ class ModelRunner:
         proposed = None
         masks = None
         if sample_at and self.grammars:
-            if k and any(self.grammars.get(u) for u, t in zip(plan.uids, plan.next_tokens) if t is not None):
+            running = [u for u, t in zip(plan.uids, plan.next_tokens) if t is not None]
+            if k and any(u in self.grammars for u in running):
                 # The draft tokens decide the masks; the target's pass waits for them anyway.
                 proposed = proposal.tolist()
             requests, mask_rows = self._mask_requests(plan, proposed)

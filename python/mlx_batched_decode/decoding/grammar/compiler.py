@@ -85,7 +85,8 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     import llguidance
 
     # mlx-lm's wrapper holds the HF tokenizer, which holds the Rust one (as _tokenizer too).
-    hf = tokenizer if hasattr(tokenizer, "backend_tokenizer") else getattr(tokenizer, "_tokenizer", None)
+    wrapped = getattr(tokenizer, "_tokenizer", None)
+    hf = tokenizer if hasattr(tokenizer, "backend_tokenizer") else wrapped
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
         raise ValueError("grammars need a fast (Rust tokenizers) tokenizer")

@@ -19,7 +19,9 @@ class MaskRequest(NamedTuple):
     drafts: Sequence[int] = ()
 
 
-def fill_bitmasks(executor: Any, requests: Sequence[MaskRequest], rows: int, width: int) -> np.ndarray:
+def fill_bitmasks(
+    executor: Any, requests: Sequence[MaskRequest], rows: int, width: int
+) -> np.ndarray:
     """int32 ``[S = rows, W = width]``: bit ``t % 32`` of word ``t // 32`` set where token t is
     allowed, for every row ``requests`` name (llguidance's ``LLExecutor``, its threads in
     parallel, the GIL released). A matcher's draft rows past a draft token its grammar
