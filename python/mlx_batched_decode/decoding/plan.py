@@ -1,11 +1,12 @@
-"""The plain records the engine's parts pass each other: a step's plan and a step's result.
+"""The plain records the engine's parts pass each other: a step's plan, what the runner made
+of it, and the step's result.
 
 ``StepPlan`` is what the scheduler decides for one step and the runner executes: which request
 sits in which row, the tokens each row feeds, which rows sample, what the layouts must do first
 (rows to release and compact, requests to load) and reserve. Plain ints and lists only, so that
-it can be sent to tensor-parallel followers as it is. ``StepResult`` is what the scheduler's ``update``
-reports: the tokens each request emitted, the requests that finished and why, and a
-``Snapshot`` of the counts a server shows.
+it can be sent to tensor-parallel followers as it is. ``StepResult`` is what the scheduler's
+``update`` reports: the tokens each request emitted (and their ``TokenLogprobs`` where asked),
+the requests that finished and why, and a ``Snapshot`` of the counts a server shows.
 """
 
 from __future__ import annotations

@@ -206,7 +206,8 @@ class ModelRunner:
             if plan.ending[b]:
                 forks = self.forks.get(plan.uids[b], [])
                 sample_at += [len(logit_rows) - 1] * (1 + len(forks))
-                row_samplers += [samplers[b], *(self.fork_samplers.get(f) or default for f in forks)]
+                fork_samplers = [self.fork_samplers.get(f) or default for f in forks]
+                row_samplers += [samplers[b], *fork_samplers]
                 sampled_rows += [b] * (1 + len(forks))
         tokens = pack_tokens(plan, proposal)
         logits = self.target.forward(

@@ -3,9 +3,10 @@
 A request's ``Sampler`` holds its ``SamplingParams`` and, with a seed, its own random stream,
 so that its tokens do not depend on the requests beside it: a seeded draw is a function of
 (seed, stream, step, slot) computed on the host, so the draws of a step's seeded rows travel
-as one array (and a tensor-parallel follower's rebuilt sampler draws the same numbers). ``sample_rows`` turns the step's
-knobs into per-row arrays and follows mlx-lm (``generate_step`` with ``make_logits_processors``
-and ``make_sampler``) for every row at once:
+as one array (and a tensor-parallel follower's rebuilt sampler draws the same numbers).
+``sample_rows`` turns the step's knobs into per-row arrays and follows mlx-lm
+(``generate_step`` with ``make_logits_processors`` and ``make_sampler``) for every row at
+once:
 
 1. processors on the float32 logits: ``logit_bias``, then the repetition, presence and
    frequency penalties, each over its own window of the row's context;
@@ -16,8 +17,9 @@ and ``make_sampler``) for every row at once:
 3. greedy rows take the argmax; the others truncate the logprobs in mlx-lm's order top-p,
    min-p, XTC, top-k, and sample the softmax of the truncated logprobs over the temperature
    by its inverse CDF: one uniform draw per row (after XTC's), of a seeded row from its own
-   counter-based stream (``Sampler.uniform``), of the others from MLX's global random state. Top-k keeps every token tied with the
-   k-th; a top-k of V or more keeps all (mlx-lm refuses it).
+   counter-based stream (``Sampler.uniform``), of the others from MLX's global random state.
+   Top-k keeps every token tied with the k-th; a top-k of V or more keeps all (mlx-lm
+   refuses it).
 
 Each stage runs only when some row of the step uses it.
 
@@ -314,7 +316,8 @@ def _penalize(
     if used("repetition"):
         penalty = factor("repetition")
         picked = mx.take_along_axis(x, tokens, axis=-1)
-        penalized = mx.where(picked < 0, picked * penalty, picked / mx.where(penalty > 0, penalty, 1.0))
+        divisor = mx.where(penalty > 0, penalty, 1.0)
+        penalized = mx.where(picked < 0, picked * penalty, picked / divisor)
         delta = delta + mx.where(is_last & window("repetition"), penalized - picked, 0.0)
     if used("presence"):
         delta = delta - mx.where(is_last & window("presence"), factor("presence"), 0.0)
@@ -358,7 +361,8 @@ def _choose(samplers: Sequence[Sampler], processed: mx.array, logprobs: mx.array
     reads_probs = any(p.top_p < 1.0 or p.xtc_probability > 0.0 for p in params)
     # Each seeded row's step: its XTC draw (slot 0) and its token's (slot 1).
     steps = [s.next_step() if on else None for s, on in zip(samplers, live)]
-    masked = _truncate(samplers, steps, params, logprobs if reads_probs else processed.astype(mx.float32))
+    scores = logprobs if reads_probs else processed.astype(mx.float32)
+    masked = _truncate(samplers, steps, params, scores)
     temperatures = mx.array([p.temperature or 1.0 for p in params], dtype=mx.float32)[:, None]
     chosen = _inverse_cdf(masked, _LOG2_E / temperatures, _uniform(samplers, steps, 1, live))
     if not all(live):
@@ -404,7 +408,9 @@ def _truncate(
     nucleus = [p.top_p < 1.0 for p in params]
     # A row under top-k and no XTC keeps at most its top k whatever top-p keeps: top-p's cut
     # is then found among those k (_top_k), without a sort of the vocabulary.
-    among_top_k = all(k and p.xtc_probability == 0.0 for k, p, on in zip(top_k, params, nucleus) if on)
+    among_top_k = all(
+        k and p.xtc_probability == 0.0 for k, p, on in zip(top_k, params, nucleus) if on
+    )
     if any(nucleus) and not among_top_k:
         masked = _top_p(masked, column(lambda p: p.top_p), nucleus)
     if any(p.min_p > 0.0 for p in params):
@@ -415,7 +421,8 @@ def _truncate(
     if any(p.xtc_probability > 0.0 for p in params):
         masked = _xtc(samplers, steps, params, masked)
     if any(top_k):
-        masked = _top_k(masked, top_k, column(lambda p: p.top_p) if any(nucleus) and among_top_k else None)
+        cut = column(lambda p: p.top_p) if any(nucleus) and among_top_k else None
+        masked = _top_k(masked, top_k, cut)
     return masked
 
 

@@ -51,7 +51,8 @@ def _bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise ValueError(f"logit_bias must be (token id, bias) pairs or a mapping, got {value!r}")
     out = []
     for pair in pairs:
-        entry = () if isinstance(pair, (str, bytes)) or not isinstance(pair, Iterable) else tuple(pair)
+        plain = isinstance(pair, (str, bytes)) or not isinstance(pair, Iterable)
+        entry = () if plain else tuple(pair)
         if len(entry) != 2:
             raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {pair!r}")
         out.append((_token("logit_bias", entry[0]), _number("logit_bias", entry[1])))
@@ -154,7 +155,9 @@ class SamplingParams:
                              ("xtc_special_tokens", self.xtc_special_tokens)):
             bad = [t for t in tokens if t >= vocab_size]
             if bad:
-                raise ValueError(f"{name}: token ids {bad} not below the vocabulary size {vocab_size}")
+                raise ValueError(
+                    f"{name}: token ids {bad} not below the vocabulary size {vocab_size}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values: lists for the tuples (``logit_bias`` as ``[id, bias]`` pairs)."""

@@ -13,8 +13,10 @@ A request ends as its ``StepResult`` says (an end-of-sequence token, ``max_token
 stop string (the text stream finds it; the engine is told it finished with ``"stop"``), or
 when its handler ``cancel``s it (a client that hung up): the engine frees its row or blocks at
 once. A step that raises ends the requests it held with an error; the thread goes on with the
-next (any other fault of the thread ends every request it holds, and it goes on too). With tensor parallelism the thread runs on rank 0 and sends each step's plan to the other
-ranks first (``lockstep.py``).
+next (any other fault of the thread ends every request it holds, and it goes on too; a fault
+that ends the thread still ends them, and new requests are refused). With tensor parallelism
+the thread runs on rank 0 and sends each step's plan to the other ranks first
+(``lockstep.py``).
 """
 
 from __future__ import annotations
