@@ -157,9 +157,9 @@ def sample_rows(
     tokens, the token fed at that row last), left-padded with -1; each penalty reads the last
     columns of its own context size (all C for a size of 0). Needed only when some sampler
     penalizes. ``masks``: ``(rows, bitmask)``, the grammar-constrained rows (``R_c``
-    ascending indices, ``None``: all R) and their allowed tokens (int32 ``[R_c, W]``, token t allowed
-    where bit ``t % 32`` of word ``t // 32`` is set; tokens past ``32 W`` are not). One
-    batched pass over the plain samplers' rows (per-row knobs as arrays), and one call of each
+    ascending indices, ``None``: all R) and their allowed tokens (int32 ``[R_c, W]``, token
+    t allowed where bit ``t % 32`` of word ``t // 32`` is set; tokens past ``32 W`` are not).
+    One batched pass over the plain samplers' rows (per-row knobs as arrays), and one call of each
     custom sampler (``Sampler``'s docstring) over its own rows.
     """
     vocab = logits.shape[-1]
