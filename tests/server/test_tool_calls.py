@@ -31,6 +31,9 @@ ANSWERS = {
             '</tool_call><tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}'
             "</tool_call>",
     "report": "It is sunny in Paris.",
+    # docs/server.md's example: the question, then the tool's result.
+    "Paris?": f"<tool_call>{WEATHER}</tool_call>",
+    "Paris": "Sunny, as the tool says.",
 }
 TOOLS = [
     {"type": "function", "function": {
@@ -142,3 +145,28 @@ def test_tool_choice_none_offers_and_parses_no_tools(chain_dir, tmp_path):
             status, _, raw = post(port, CHAT, {**REQUESTS[0], **bad})
             assert status == 400, raw
             assert json.loads(raw)["error"]["message"].startswith(field), raw
+
+
+def test_the_docs_tool_example_with_the_openai_client(chain_dir, tmp_path):
+    """docs/server.md's tool example: the call, its result sent back, the answer."""
+    from openai import OpenAI
+
+    args = ["--model", str(chain_dir), "--log-level", "WARNING"]
+    with running_server([*NATIVE, *args], tmp_path / "docs.log", STARTUP_TIMEOUT_S,
+                        STOP_TIMEOUT_S) as (port, _):
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                        timeout=60)
+        tools = TOOLS[:1]
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        answer = client.chat.completions.create(model="default_model", messages=messages,
+                                                tools=tools)
+        message = answer.choices[0].message
+        assert answer.choices[0].finish_reason == "tool_calls"
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            city = json.loads(call.function.arguments)["city"]
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": f"sunny in {city}"})
+        answer = client.chat.completions.create(model="default_model", messages=messages,
+                                                tools=tools)
+        assert answer.choices[0].message.content == "Sunny, as the tool says."
