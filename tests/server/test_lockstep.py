@@ -11,6 +11,7 @@ pytest.importorskip("prometheus_client")
 
 from mlx_batched_decode.decoding.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from mlx_batched_decode.decoding.engine_core import EngineCore  # noqa: E402
+from mlx_batched_decode.decoding.grammar import GrammarSpec  # noqa: E402
 from mlx_batched_decode.decoding.plan import Admission, Release, StepPlan  # noqa: E402
 from mlx_batched_decode.decoding.runner import ModelRunner  # noqa: E402
 from mlx_batched_decode.decoding.sampling import Sampler  # noqa: E402
@@ -44,8 +45,12 @@ def test_a_plan_survives_its_encoding():
             Admission(8, 1, Sampler(0.0, 1.0, 0)),
             Admission(9, 0, Sampler(seed=2**64 - 1, stream=15, **EVERY_KNOB),
                       forks=[(11, Sampler(seed=2**64 - 1, stream=16, **EVERY_KNOB)),
-                             (12, Sampler(0.5, seed=3, stream=17))]),
-            Admission(10, 3, Sampler(0.1 + 0.2, 1 / 3, None, **{"logit_bias": {7: 0.1}})),
+                             (12, Sampler(0.5, seed=3, stream=17))],
+                      grammar=GrammarSpec("json_schema", '{"type": "object", "title": "é\\u0000"}')),
+            Admission(10, 3, Sampler(0.1 + 0.2, 1 / 3, None, **{"logit_bias": {7: 0.1}}),
+                      grammar=GrammarSpec("regex", "[a-z]+"), grammar_after=0),
+            Admission(13, 5, Sampler(seed=1), grammar=GrammarSpec("json_object"),
+                      grammar_after=2**31 - 1),
             Admission(11, 4, Sampler(seed=2**64 - 1, stream=16), source=(0, 37)),
         ],
         uids=[4, 8, 7],
@@ -70,6 +75,7 @@ def test_a_plan_survives_its_encoding():
             assert got == sent
         else:
             assert (got.uid, got.row, got.source) == (sent.uid, sent.row, sent.source)
+            assert (got.grammar, got.grammar_after) == (sent.grammar, sent.grammar_after)
             assert sampler_knobs(got.sampler) == sampler_knobs(sent.sampler)
             assert [(uid, sampler_knobs(f)) for uid, f in got.forks] == [
                 (uid, sampler_knobs(f)) for uid, f in sent.forks

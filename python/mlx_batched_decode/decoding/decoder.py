@@ -21,6 +21,7 @@ from ..tools.progress import ProgressBar
 from .config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from .decode_stats import DecodeStats, RequestTiming
 from .engine_core import EngineCore
+from .grammar import GrammarCompiler, GrammarSpec
 from .layouts.paged import PagedLayout
 from .layouts.slot import SlotCache, SlotLayout
 from .plan import StepResult
@@ -52,6 +53,7 @@ class BatchedDecoder:
         max_cached_blocks, kv_bits, kv_group_size: ``CacheConfig``'s (``kv_layout``
             ``"slot"`` or ``"paged"``).
         max_step_tokens, max_batch_size: ``SchedulerConfig``'s.
+        grammar_compiler: compiles the grammars of constrained requests (``EngineCore``).
 
     Raises ``ValueError`` (``[BatchedDecoder] ...``) for a model or a combination it cannot
     serve, naming why.
@@ -75,6 +77,7 @@ class BatchedDecoder:
         kv_group_size: int = 64,
         max_step_tokens: int = 256,
         max_batch_size: Optional[int] = None,
+        grammar_compiler: Optional[GrammarCompiler] = None,
     ):
         if attention not in ("slot", "seed"):
             raise ValueError(
@@ -105,7 +108,7 @@ class BatchedDecoder:
         self.model = model
         self.draft_model = draft_model
         self.config = config
-        self.core = EngineCore(model, config, draft_model)
+        self.core = EngineCore(model, config, draft_model, grammar_compiler=grammar_compiler)
         self.stats = DecodeStats()
 
     @property
@@ -152,6 +155,8 @@ class BatchedDecoder:
         stop_tokens: Iterable[int] = (),
         sampler: Optional[Sampler] = None,
         prompt_logprobs: Optional[int] = None,
+        grammar: Optional[GrammarSpec] = None,
+        grammar_after: Optional[int] = None,
     ) -> int:
         """Queue ``prompt`` (token ids, at least one) and return the request's id at once.
 
@@ -161,11 +166,13 @@ class BatchedDecoder:
         ``sampler``: how this request chooses its tokens (default: the sampler ``step`` gets).
         ``prompt_logprobs``: the steps report its prompt tokens' logprobs with the top k
         (``StepResult.prompt_logprobs``); ``max_tokens`` 0 then asks for nothing else.
+        ``grammar``/``grammar_after``: its output must match it (``EngineCore.add_request``;
+        needs ``grammar_compiler``).
         ``ValueError`` as ``check_request`` says, before anything is queued.
         """
         return self.add_choices(
             prompt, max_tokens, [sampler], stop_tokens=stop_tokens,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, grammar=grammar, grammar_after=grammar_after,
         )[0]
 
     def add_choices(
@@ -176,13 +183,15 @@ class BatchedDecoder:
         *,
         stop_tokens: Iterable[int] = (),
         prompt_logprobs: Optional[int] = None,
+        grammar: Optional[GrammarSpec] = None,
+        grammar_after: Optional[int] = None,
     ) -> list[int]:
         """As ``add_request``, one choice per sampler (their ids, in order): the prompt is fed
         once and its keys/values shared by every choice (``EngineCore.add_choices``)."""
         arrived = time.perf_counter()
         uids = self.core.add_choices(
             prompt, max_tokens, samplers, stop_tokens=stop_tokens,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, grammar=grammar, grammar_after=grammar_after,
         )
         for uid in uids:
             self.stats.requests[uid] = RequestTiming(arrived)

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import EngineConfig
+from .grammar import GrammarCompiler, GrammarSpec
 from .layouts import make_layout
 from .mlx_lm_caches import layer_windows
 from .plan import Snapshot, StepPlan, StepResult
@@ -30,6 +31,10 @@ from .scheduler import Scheduler
 class EngineCore:
     """Serves ``model`` (and speculatively ``draft_model``) as ``config`` says.
 
+    ``grammar_compiler``: what constrained requests (``grammar=``) compile with, built for
+    the model's tokenizer (every tensor-parallel rank needs one: followers make the same
+    matchers); without one a request with a grammar is refused.
+
     Raises ``ValueError`` (``[BatchedDecoder] ...``) for a model it cannot serve, naming why,
     or a draft model of another vocabulary.
     """
@@ -39,8 +44,11 @@ class EngineCore:
         model: nn.Module,
         config: EngineConfig,
         draft_model: Optional[nn.Module] = None,
+        *,
+        grammar_compiler: Optional[GrammarCompiler] = None,
     ):
         self.config = config
+        self.grammar_compiler = grammar_compiler
         cache, scheduler = config.cache, config.scheduler
         k = config.speculative.num_draft_tokens if draft_model is not None else 0
         # A request's chunk: at most max_step_tokens, and where rings keep windowed layers
@@ -61,7 +69,7 @@ class EngineCore:
                     f"[BatchedDecoder] the draft model's vocabulary ({draft_vocab} tokens) differs "
                     f"from the target's ({target_vocab})"
                 )
-        self.runner = ModelRunner(target, draft)
+        self.runner = ModelRunner(target, draft, grammar_compiler)
         self.scheduler = Scheduler(scheduler, target, k, chunk_limit)
         self._next_uid = 0
         self._vocab_size: Optional[int] = None
@@ -105,15 +113,25 @@ class EngineCore:
         stop_tokens: Iterable[int] = (),
         sampler: Optional[Sampler] = None,
         prompt_logprobs: Optional[int] = None,
+        grammar: Optional[GrammarSpec] = None,
+        grammar_after: Optional[int] = None,
     ) -> int:
         """Queue ``prompt`` (token ids) and return its request id; the next steps admit it when
         there is room and feed its prompt in chunks. ``stop_tokens`` end it (the tokenizer's
         end-of-sequence ids, say), ``sampler`` chooses its tokens (``None``: the step's);
         ``max_tokens`` 0 ends it once its prompt is fed. ``prompt_logprobs``: report its prompt
-        tokens' logprobs with the top k (``StepResult.prompt_logprobs``)."""
+        tokens' logprobs with the top k (``StepResult.prompt_logprobs``).
+
+        ``grammar``: its output must match it (structured output): each step samples only the
+        tokens its grammar allows (end-of-sequence tokens exactly where the text so far
+        satisfies it), and it ends with ``FinishReason.STOP`` when it samples a stop token or
+        its grammar admits nothing more. ``grammar_after``: a token id (a thinking section's
+        end) whose first generated occurrence starts the constraint; it and the tokens before
+        it are free. ``ValueError`` before anything is queued when the engine has no
+        ``grammar_compiler`` or the grammar does not compile (llguidance's message)."""
         return self.add_choices(
             prompt, max_tokens, [sampler], stop_tokens=stop_tokens,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, grammar=grammar, grammar_after=grammar_after,
         )[0]
 
     def add_choices(
@@ -124,10 +142,13 @@ class EngineCore:
         *,
         stop_tokens: Iterable[int] = (),
         prompt_logprobs: Optional[int] = None,
+        grammar: Optional[GrammarSpec] = None,
+        grammar_after: Optional[int] = None,
     ) -> list[int]:
         """As ``add_request``, for one choice per sampler: the ids, in order. The prompt is fed
         once, by the first choice (which reports its ``prompt_logprobs``); the others start
-        from its keys/values, each sampling its first token from its prompt's last logits."""
+        from its keys/values, each sampling its first token from its prompt's last logits.
+        Each choice matches ``grammar`` on its own (a matcher of its own)."""
         if not samplers:
             raise ValueError("[BatchedDecoder] add_choices needs at least one sampler")
         if prompt_logprobs is not None and not 0 <= prompt_logprobs <= 20:
@@ -135,12 +156,32 @@ class EngineCore:
                 f"[BatchedDecoder] prompt_logprobs must be in [0, 20], got {prompt_logprobs}"
             )
         self.check_request(len(prompt), max_tokens, len(samplers))
+        self._check_grammar(grammar, grammar_after)
         stop_tokens = list(stop_tokens)
         choices = [self._request(prompt, max_tokens, stop_tokens, s) for s in samplers]
         first = choices[0]
         first.prompt_logprobs, first.forks = prompt_logprobs, choices[1:]
+        first.grammar, first.grammar_after = grammar, grammar_after
         self.scheduler.add(first)
         return [c.uid for c in choices]
+
+    def _check_grammar(self, grammar: Optional[GrammarSpec], after: Optional[int]) -> None:
+        """``ValueError`` unless ``grammar`` (and ``after``) can constrain a request here."""
+        if grammar is None:
+            if after is not None:
+                raise ValueError("[BatchedDecoder] grammar_after needs a grammar")
+            return
+        if self.grammar_compiler is None:
+            raise ValueError("[BatchedDecoder] this engine has no grammar compiler: no grammar")
+        if after is not None and not 0 <= after < self.vocab_size:
+            raise ValueError(
+                f"[BatchedDecoder] grammar_after must be a token id in [0, {self.vocab_size}), "
+                f"got {after}"
+            )
+        try:
+            self.grammar_compiler.check(grammar)
+        except ValueError as error:
+            raise ValueError(f"[BatchedDecoder] {error}") from None
 
     def add_prefilled_request(
         self,

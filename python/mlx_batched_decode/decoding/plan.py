@@ -34,13 +34,20 @@ class Admission:
     A request of several choices (``EngineCore.add_choices``) is admitted with ``forks``: the
     other choices' ids and samplers, which sample their first tokens from its prompt's last
     logits. Each fork is then admitted with ``source``: the row holding that prompt and its
-    length, whose keys/values it starts from (copied, or its blocks shared)."""
+    length, whose keys/values it starts from (copied, or its blocks shared).
+
+    ``grammar``: the ``GrammarSpec`` its output (and each fork's) must match, ``None`` for
+    none; ``grammar_after``: the token id after whose first occurrence it applies
+    (``GrammarMatcher``). The runner makes every choice's matcher from them when the
+    request's admission arrives; a fork's own admission carries none."""
 
     uid: int
     row: int
     sampler: Optional[Any] = None
     forks: list[tuple[int, Optional[Any]]] = field(default_factory=list)
     source: Optional[tuple[int, int]] = None
+    grammar: Optional[Any] = None
+    grammar_after: Optional[int] = None
 
 
 @dataclass
@@ -105,6 +112,9 @@ class RunnerOutput:
     of row ``b``'s request sampled from its prompt's last logits. ``prompt_logprobs[b]``: the
     logprobs of the prompt tokens after row ``b``'s chunk's (``StepPlan.prompt_logprobs``).
     ``draft_tokens`` proposed and ``accepted_tokens`` accepted in the step.
+    ``grammar_ends[uid]``: why a constrained request (or fork) must end after its tokens:
+    ``STOP`` when its grammar admits nothing more, ``ERROR`` when it consumed a token its
+    grammar forbids.
     """
 
     tokens: list[Optional[list[int]]]
@@ -115,6 +125,7 @@ class RunnerOutput:
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    grammar_ends: dict[int, FinishReason] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ class Request:
     greedy). ``block_names``: its prompt's full blocks' names (paged prefix sharing), once
     computed. ``prompt_logprobs``: report its prompt tokens' logprobs with the top k
     (``None``: not). ``forks``: its other choices (``EngineCore.add_choices``), which start
-    from its cache once its prompt is fed.
+    from its cache once its prompt is fed. ``grammar``/``grammar_after``: the constraint on
+    its output (``Admission``), ``None`` for none.
     """
 
     uid: int
@@ -55,6 +56,8 @@ class Request:
     block_names: Optional[list[int]] = None
     prompt_logprobs: Optional[int] = None
     forks: list["Request"] = field(default_factory=list)
+    grammar: Optional[Any] = None
+    grammar_after: Optional[int] = None
 
     @property
     def next_token(self) -> int:

@@ -11,6 +11,13 @@ with its request's sampler over its context (penalties), the forks of a request 
 ends from its last logits. One evaluation per step, then the host reads the sampled tokens and
 the logprobs asked for.
 
+Grammar-constrained requests (structured output) keep a ``GrammarMatcher`` here, per choice,
+made when their admission arrives. A step whose sampled rows include constrained ones starts
+the forward pass (``mx.async_eval``), fills those rows' token bitmasks on the host meanwhile
+(llguidance's threads; a running row's k + 1 verification rows get the masks after each
+draft token in turn), and ``sample_rows`` applies them to those rows alone; the emitted tokens
+are then consumed into the matchers. Steps without constrained rows do none of this.
+
 Dimension legend: B = rows of the step, R = running rows, k = draft tokens per running row.
 """
 
@@ -21,9 +28,11 @@ from typing import Mapping, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .grammar import GrammarCompiler, GrammarMatcher, MaskRequest, fill_bitmasks
 from .layouts.base import KVLayout
 from .packing import pack_contexts, pack_tokens
 from .plan import Admission, Release, RunnerOutput, StepPlan, TokenLogprobs
+from .request import FinishReason
 from .sampling import Sampler, prompt_logprobs, sample_rows
 from .speculative import accepted_length, draft_proposals
 
@@ -33,11 +42,18 @@ KeysValues = tuple[mx.array, mx.array]
 
 
 class ModelRunner:
-    """Runs plans on ``target`` (a ``KVLayout``), speculatively with ``draft`` (another)."""
+    """Runs plans on ``target`` (a ``KVLayout``), speculatively with ``draft`` (another);
+    ``grammar_compiler`` makes the matchers of constrained requests."""
 
-    def __init__(self, target: KVLayout, draft: Optional[KVLayout] = None):
+    def __init__(
+        self, target: KVLayout, draft: Optional[KVLayout] = None,
+        grammar_compiler: Optional[GrammarCompiler] = None,
+    ):
         self.target = target
         self.draft = draft
+        self.grammar_compiler = grammar_compiler
+        # Each constrained choice's matcher, from its request's admission until it ends.
+        self.grammars: dict[int, GrammarMatcher] = {}
         # Each running request's sampler (None: the step's default).
         self.samplers: dict[int, Optional[Sampler]] = {}
         # The forks of requests feeding their prompts, and the forks' samplers until they run.
@@ -53,8 +69,10 @@ class ModelRunner:
         for uid in uids:
             self.samplers.pop(uid, None)
             self.fork_samplers.pop(uid, None)
+            self.grammars.pop(uid, None)
             for fork in self.forks.pop(uid, ()):
                 self.fork_samplers.pop(fork, None)
+                self.grammars.pop(fork, None)
 
     def execute(self, plan: StepPlan, default: Optional[Sampler] = None) -> RunnerOutput:
         """Apply ``plan``'s row changes and run its step; requests without a sampler of their
@@ -63,6 +81,10 @@ class ModelRunner:
         if len(self.samplers) > len(plan.uids):
             held = set(plan.uids)
             self.samplers = {u: s for u, s in self.samplers.items() if u in held}
+        if self.grammars:
+            # A follower is told of ended requests only by their rows' release.
+            held = {*plan.uids, *(f for u in plan.uids for f in self.forks.get(u, ()))}
+            self.grammars = {u: g for u, g in self.grammars.items() if u in held}
         default = default or Sampler()
         samplers = [self.samplers.get(uid) or default for uid in plan.uids]
         running = [b for b, token in enumerate(plan.next_tokens) if token is not None]
@@ -88,6 +110,8 @@ class ModelRunner:
                 continue
             # A fork keeps the sampler its first token was drawn with (its stream goes on).
             self.samplers[change.uid] = self.fork_samplers.pop(change.uid, change.sampler)
+            if change.grammar is not None:
+                self._add_grammars(change)
             if change.forks:
                 self.forks[change.uid] = [uid for uid, _ in change.forks]
                 self.fork_samplers.update(change.forks)
@@ -99,6 +123,54 @@ class ModelRunner:
             layers = (loads or {}).get(change.uid, [None] * len(self.layouts))
             for layout, layers_kv in zip(self.layouts, layers):
                 layout.load(change.row, layers_kv)
+
+    def _add_grammars(self, admission: Admission) -> None:
+        """A matcher of ``admission.grammar`` for its request and each of its forks."""
+        if self.grammar_compiler is None:
+            raise ValueError("[BatchedDecoder] a request has a grammar but the runner no compiler")
+        for uid in [admission.uid, *(f for f, _ in admission.forks)]:
+            matcher = self.grammar_compiler.matcher(admission.grammar)
+            self.grammars[uid] = GrammarMatcher(matcher, admission.grammar_after)
+
+    def _mask_requests(
+        self, plan: StepPlan, proposed: Optional[list[list[int]]]
+    ) -> tuple[list[MaskRequest], list[int]]:
+        """The constrained sampled rows: what ``fill_bitmasks`` fills (bitmask row i for the
+        i-th) and their positions among the step's sampled rows (``_verify``'s order)."""
+        k = plan.num_draft_tokens
+        requests: list[MaskRequest] = []
+        rows: list[int] = []
+        position, i = 0, 0
+        for b, uid in enumerate(plan.uids):
+            if plan.next_tokens[b] is not None:
+                grammar = self.grammars.get(uid)
+                if grammar is not None:
+                    drafts = proposed[i][1:] if k else []
+                    first = grammar.first_constrained(drafts)
+                    if first <= k:
+                        requests.append(MaskRequest(grammar.matcher, len(rows), drafts[first:]))
+                        rows += range(position + first, position + k + 1)
+                position, i = position + k + 1, i + 1
+            elif plan.ending[b]:
+                choices = [uid, *self.forks.get(uid, [])]
+                for j, choice in enumerate(choices):
+                    grammar = self.grammars.get(choice)
+                    if grammar is not None and grammar.active:
+                        requests.append(MaskRequest(grammar.matcher, len(rows)))
+                        rows.append(position + j)
+                position += len(choices)
+        return requests, rows
+
+    def _consume(self, uid: int, tokens: Sequence[int], output: RunnerOutput) -> None:
+        """Constrained ``uid``'s emitted ``tokens`` into its matcher; its end, if it ends."""
+        grammar = self.grammars.get(uid)
+        if grammar is None:
+            return
+        grammar.consume(tokens)
+        if grammar.error is not None:
+            output.grammar_ends[uid] = FinishReason.ERROR
+        elif grammar.stopped:
+            output.grammar_ends[uid] = FinishReason.STOP
 
     def _verify(
         self,
@@ -147,10 +219,26 @@ class ModelRunner:
             return RunnerOutput([None] * len(counts), [None] * len(counts))
         pending: list = []
         sampled = None
+        proposed = None
+        masks = None
+        if sample_at and self.grammars:
+            if k and any(self.grammars.get(u) for u, t in zip(plan.uids, plan.next_tokens) if t is not None):
+                # The draft tokens decide the masks; the target's pass waits for them anyway.
+                proposed = proposal.tolist()
+            requests, mask_rows = self._mask_requests(plan, proposed)
+            if requests:
+                # The forward pass runs while the host fills the masks.
+                mx.async_eval(logits)
+                width = (self.grammar_compiler.vocab_size + 31) // 32
+                bitmask = fill_bitmasks(
+                    self.grammar_compiler.executor, requests, len(mask_rows), width
+                )
+                every = len(mask_rows) == len(sample_at)
+                masks = (None if every else mask_rows, mx.array(bitmask))
         if sample_at:
             rows = logits if len(sample_at) == len(logit_rows) else logits[mx.array(sample_at)]
             contexts = _contexts(plan, sampled_rows, proposal, k)
-            sampled = sample_rows(row_samplers, rows, contexts)
+            sampled = sample_rows(row_samplers, rows, contexts, masks)
             pending += [x for x in sampled if x is not None]
         prompt = {}
         for b, start in spans.items():
@@ -168,7 +256,8 @@ class ModelRunner:
             return output
         chosen = sampled.tokens.tolist()
         entries = _token_logprobs(chosen, *sampled[1:])
-        proposed = [] if proposal is None or not k else proposal.tolist()
+        if proposed is None:
+            proposed = [] if proposal is None or not k else proposal.tolist()
         position, i = 0, 0
         for b in range(len(counts)):
             if plan.next_tokens[b] is not None:
@@ -177,6 +266,7 @@ class ModelRunner:
                 output.accepted_tokens += a
                 output.tokens[b] = targets[: a + 1]
                 output.logprobs[b] = _asked(samplers[b], entries[position : position + a + 1])
+                self._consume(plan.uids[b], output.tokens[b], output)
                 position, i = position + k + 1, i + 1
             elif plan.ending[b]:
                 output.tokens[b] = [chosen[position]]
@@ -187,6 +277,9 @@ class ModelRunner:
                      _one(self.fork_samplers.get(f), entries[position + 1 + j]))
                     for j, f in enumerate(forks)
                 ]
+                self._consume(plan.uids[b], output.tokens[b], output)
+                for f, token, _ in output.forks[b]:
+                    self._consume(f, [token], output)
                 position += 1 + len(forks)
         output.draft_tokens = k * i
         return output

@@ -10,6 +10,9 @@ and ``make_sampler``) for every row at once:
 1. processors on the float32 logits: ``logit_bias``, then the repetition, presence and
    frequency penalties, each over its own window of the row's context;
 2. ``logprobs = processed - logsumexp(processed)`` (what the request's logprobs report);
+   a grammar-constrained row's logits have -inf for its forbidden tokens before step 1, so
+   its logprobs are those of the constrained distribution, as vLLM's (which applies the
+   grammar bitmask to the logits before its sampler computes logprobs);
 3. greedy rows take the argmax; the others truncate the logprobs in mlx-lm's order top-p,
    min-p, XTC, top-k, and sample the softmax of the truncated logprobs over the temperature
    by its inverse CDF: one uniform draw per row (after XTC's), of a seeded row from its own
@@ -24,6 +27,7 @@ K = top logprobs reported, P = prompt positions.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import fields
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -140,19 +144,27 @@ def _custom(sampler: Sampler) -> bool:
 
 
 def sample_rows(
-    samplers: Sequence[Sampler], logits: mx.array, contexts: Optional[mx.array] = None
+    samplers: Sequence[Sampler],
+    logits: mx.array,
+    contexts: Optional[mx.array] = None,
+    masks: Optional[tuple[Optional[Sequence[int]], mx.array]] = None,
 ) -> Sampled:
     """Row ``r`` of ``logits [R, V]`` chosen by ``samplers[r]``.
 
     ``contexts``: int32 ``[R, C]``, row r's last C context tokens (prompt then generated
     tokens, the token fed at that row last), left-padded with -1; each penalty reads the last
     columns of its own context size (all C for a size of 0). Needed only when some sampler
-    penalizes. One batched pass over the plain samplers' rows (per-row knobs as arrays), and
-    one call of each custom sampler (``Sampler``'s docstring) over its own rows.
+    penalizes. ``masks``: ``(rows, bitmask)``, the grammar-constrained rows (``R_c``
+    ascending indices, ``None``: all R) and their allowed tokens (int32 ``[R_c, W]``, token t allowed
+    where bit ``t % 32`` of word ``t // 32`` is set; tokens past ``32 W`` are not). One
+    batched pass over the plain samplers' rows (per-row knobs as arrays), and one call of each
+    custom sampler (``Sampler``'s docstring) over its own rows.
     """
     vocab = logits.shape[-1]
     for sampler in samplers:
         sampler.check_vocab(vocab)
+    if masks is not None:
+        logits = _constrain(logits, *masks)
     params = [s.params for s in samplers]
     processed = _process(params, logits, contexts)
     # Lazy: computed only where a sampled row or a logprobs report reads it.
@@ -163,6 +175,43 @@ def sample_rows(
         return Sampled(tokens)
     chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return Sampled(tokens, chosen, *_top(logprobs, max(asked)))
+
+
+# float32 -inf's bits as an int32 (0xFF800000): a forbidden token's addend.
+_NEG_INF_BITS = -8388608
+
+
+def _constrain(logits: mx.array, rows: Optional[Sequence[int]], bitmask: mx.array) -> mx.array:
+    """``logits [R, V]`` with -inf for the tokens ``bitmask [R_c, W]`` forbids in ``rows``
+    (``R_c`` ascending row indices, ``None``: every row), before any processor: the
+    penalties, the logprobs, greedy choice and every truncation see only allowed tokens.
+
+    The bits unpack on the device into an addend (0.0 or -inf, bit patterns made with integer
+    ops: MLX's CPU ``where`` costs several times an add); the constrained rows' slices get it
+    added and one concatenation puts the rows back in order (a scatter costs 3x that on the
+    CPU), so the other rows are only copied."""
+    vocab, width = logits.shape[-1], bitmask.shape[-1]
+    bits = ((bitmask[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1) - 1
+    addend = (bits & _NEG_INF_BITS).reshape(bitmask.shape[0], 32 * width)
+    if 32 * width >= vocab:
+        addend = addend[:, :vocab]
+    else:
+        addend = mx.pad(addend, [(0, 0), (0, vocab - 32 * width)], constant_values=_NEG_INF_BITS)
+    addend = mx.view(addend, mx.float32).astype(logits.dtype)
+    if rows is None:
+        return logits + addend
+    pieces, done = [], 0
+    # Runs of consecutive rows: (position in rows, row) pairs whose difference is constant.
+    for _, run in itertools.groupby(enumerate(rows), lambda pair: pair[1] - pair[0]):
+        run = list(run)
+        (i, start), count = run[0], len(run)
+        if start > done:
+            pieces.append(logits[done:start])
+        pieces.append(logits[start : start + count] + addend[i : i + count])
+        done = start + count
+    if done < logits.shape[0]:
+        pieces.append(logits[done:])
+    return mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def prompt_logprobs(

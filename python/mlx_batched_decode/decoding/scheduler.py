@@ -7,7 +7,7 @@ whole length and starts past its cached prefix), then plans the step: every runn
 decode tokens (1, or k + 1 with a draft model) always, then chunks of the prompts being fed,
 first come first served, up to ``max_step_tokens`` (and, where rings keep windowed layers, at
 most the smallest window per chunk). ``update`` takes the tokens the runner produced, applies
-stop tokens and ``max_tokens``, and ends finished requests: their rows are released (the last
+stop tokens, ``max_tokens`` and the ends of grammars the runner reports, and ends finished requests: their rows are released (the last
 row's request moves in, told to the runner by the next plan) and nothing of them is kept.
 
 A request of n choices is admitted with rows held for its n - 1 forks; its prompt is fed once,
@@ -105,7 +105,10 @@ class Scheduler:
         self.running.append(request)
         self._held_rows += len(request.forks)
         forks = [(f.uid, f.sampler) for f in request.forks]
-        self._row_changes.append(Admission(request.uid, row, request.sampler, forks))
+        self._row_changes.append(
+            Admission(request.uid, row, request.sampler, forks,
+                      grammar=request.grammar, grammar_after=request.grammar_after)
+        )
 
     def _admit_waiting(self) -> None:
         """Give waiting requests rows, first come first, while ``max_batch_size`` and the
@@ -200,7 +203,7 @@ class Scheduler:
 
     def update(self, plan: StepPlan, output: RunnerOutput) -> StepResult:
         """Apply the runner's ``output`` (each row's new tokens, its forks' first ones) to the
-        plan's requests: stop tokens and ``max_tokens`` end them, forks take their rows; the
+        plan's requests: stop tokens, ``max_tokens`` and the runner's ``grammar_ends`` end them, forks take their rows; the
         result says what each emitted, which finished and why."""
         result = StepResult(
             prompt_tokens=sum(map(len, plan.chunks)) + self._admitted_hits,
@@ -223,8 +226,9 @@ class Scheduler:
             if not out:
                 continue
             if request.forks:
-                self._start_forks(request, row, output.forks.get(row, []), result)
+                self._start_forks(request, row, output.forks.get(row, []), output, result)
             reason = self._emit(request, out, output.logprobs[row], result)
+            reason = reason or output.grammar_ends.get(request.uid)
             if reason is not None:
                 finished_rows.append((row, reason))
         for row, reason in reversed(finished_rows):
@@ -268,6 +272,7 @@ class Scheduler:
         request: Request,
         row: int,
         firsts: Sequence[tuple[int, int, Optional[Any]]],
+        output: RunnerOutput,
         result: StepResult,
     ) -> None:
         """``request``'s prompt is fed: each fork still held takes the first token it sampled
@@ -282,6 +287,7 @@ class Scheduler:
             fork.num_cached = request.num_cached
             fork.prefix_hit_tokens = request.prefix_hit_tokens
             reason = self._emit(fork, [token], None if logprobs is None else [logprobs], result)
+            reason = reason or output.grammar_ends.get(fork.uid)
             if reason is not None:
                 self.layout.drop_fork(request)
                 fork.status, fork.finish_reason = RequestStatus.FINISHED, reason

@@ -13,7 +13,9 @@ same tokens. A ``None`` plan stops the followers.
 A plan travels as int32 values over ``mx.distributed.all_sum``, rank 0 contributing them and the
 others zeros: first its length, then the values. An admission's sampler travels as its
 ``SamplingParams.to_dict()`` in JSON, its UTF-8 bytes packed four to an int32: every value a
-request may carry (64-bit seeds, ``logit_bias``, every knob) arrives exactly.
+request may carry (64-bit seeds, ``logit_bias``, every knob) arrives exactly. An admission's
+grammar travels the same way (``GrammarSpec.to_dict()``), with the token it starts after:
+every rank makes the same matchers, so the same masks constrain the same rows.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..decoding.grammar import GrammarSpec
 from ..decoding.plan import Admission, Release, StepPlan
 from ..decoding.runner import ModelRunner
 from ..decoding.sampling import Sampler
@@ -32,27 +35,42 @@ from ..decoding.sampling_params import SamplingParams
 _RELEASE, _ADMISSION = 0, 1
 
 
-def _packed(params: SamplingParams) -> list[int]:
-    """``params`` as int32 values: the JSON's byte count, then its bytes four to a value."""
-    data = json.dumps(params.to_dict()).encode()
+def _packed(data: dict) -> list[int]:
+    """``data`` as int32 values: its JSON's byte count, then its bytes four to a value."""
+    data = json.dumps(data).encode()
     padded = data + b"\0" * (-len(data) % 4)
     return [len(data), *struct.unpack(f"<{len(padded) // 4}i", padded)]
 
 
-def _unpacked(read: _Reader) -> SamplingParams:
+def _unpacked(read: _Reader) -> dict:
     size = read.one()
     words = read.take((size + 3) // 4)
     data = struct.pack(f"<{len(words)}i", *words)[:size]
-    return SamplingParams.from_dict(json.loads(data))
+    return json.loads(data)
 
 
 def _sampler(sampler: Sampler) -> list[int]:
-    return [sampler.stream, *_packed(sampler.params)]
+    return [sampler.stream, *_packed(sampler.params.to_dict())]
 
 
 def _read_sampler(read: _Reader) -> Sampler:
     stream = read.one()
-    return Sampler.from_params(_unpacked(read), stream)
+    return Sampler.from_params(SamplingParams.from_dict(_unpacked(read)), stream)
+
+
+def _grammar(admission: Admission) -> list[int]:
+    """0 for none, else 1, the token it starts after (-1: none) and the spec."""
+    if admission.grammar is None:
+        return [0]
+    after = -1 if admission.grammar_after is None else admission.grammar_after
+    return [1, after, *_packed(admission.grammar.to_dict())]
+
+
+def _read_grammar(read: _Reader) -> tuple[Optional[GrammarSpec], Optional[int]]:
+    if not read.one():
+        return None, None
+    after = read.one()
+    return GrammarSpec.from_dict(_unpacked(read)), None if after < 0 else after
 
 
 def _ints(values: list[int]) -> list[int]:
@@ -72,6 +90,7 @@ def encode(plan: Optional[StepPlan]) -> list[int]:
         values += [len(change.forks)]
         values += [x for uid, sampler in change.forks for x in (uid, *_sampler(sampler))]
         values += [-1] if change.source is None else list(change.source)
+        values += _grammar(change)
     values += _ints(plan.uids) + _ints(plan.seq_lens)
     values += _ints([-1 if t is None else t for t in plan.next_tokens])
     values += [len(plan.chunks)] + [x for c in plan.chunks for x in _ints(c)]
@@ -119,7 +138,8 @@ def decode(values: list[int]) -> Optional[StepPlan]:
             forks.append((fork, _read_sampler(read)))
         row_of_source = read.one()
         source = None if row_of_source < 0 else (row_of_source, read.one())
-        plan.row_changes.append(Admission(uid, row, sampler, forks, source))
+        grammar, after = _read_grammar(read)
+        plan.row_changes.append(Admission(uid, row, sampler, forks, source, grammar, after))
     plan.uids, plan.seq_lens = read.ints(), read.ints()
     plan.next_tokens = [None if t < 0 else t for t in read.ints()]
     plan.chunks = [read.ints() for _ in range(read.one())]

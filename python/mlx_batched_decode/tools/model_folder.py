@@ -88,7 +88,7 @@ def byte_tokenizer(special_tokens: list[str] = BYTE_SPECIAL_TOKENS) -> Any:
     from tokenizers import decoders, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {_byte_char(b): b for b in range(256)}
+    vocab = {byte_char(b): b for b in range(256)}
     assert set(vocab) == set(alphabet)
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], fuse_unk=False))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -97,7 +97,7 @@ def byte_tokenizer(special_tokens: list[str] = BYTE_SPECIAL_TOKENS) -> Any:
     return tokenizer
 
 
-def _byte_char(b: int) -> str:
+def byte_char(b: int) -> str:
     """GPT-2's printable character for byte ``b`` (``bytes_to_unicode``)."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     if b in printable:
