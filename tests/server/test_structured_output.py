@@ -2,7 +2,8 @@
 random-weight model with a byte-level tokenizer, at temperature 1 over many seeds: every
 answer that finishes "stop" matches what was asked for (a JSON schema, any JSON object, a
 regex, a choice, a Lark grammar; a named or required ``tool_choice``'s calls validate against
-their function's schema); a streamed answer equals the whole one of the same seed; a schema or
+their function's schema; after an open thinking section, the answer); a streamed answer
+equals the whole one of the same seed; a schema or
 grammar that does not compile is a 400 naming its field; and docs/server.md's examples with
 the ``openai`` client."""
 
@@ -203,3 +204,22 @@ def test_the_docs_examples_with_the_openai_client(server):
         extra_body={"structured_outputs": {"regex": pattern}},
     )
     assert re.fullmatch(pattern, mail.choices[0].text)
+
+
+def test_a_constraint_starts_after_an_open_thinking_section(tmp_path):
+    """A template that leaves ``<think>`` open: the reasoning is free, the answer after
+    ``</think>`` (biased to come soon) is the JSON object asked for."""
+    from mlx_batched_decode.tools.model_folder import BYTE_THINK_END_ID, CHAT_TEMPLATE
+
+    folder = save_byte_model_folder(dict(SMALL_LLAMA, vocab_size=BYTE_VOCAB + 6),
+                                    tmp_path / "model", seed=3)
+    template = CHAT_TEMPLATE.replace("<|assistant|>{% endif %}", "<|assistant|><think>{% endif %}")
+    args = ["--model", str(folder), "--log-level", "WARNING", "--chat-template", template]
+    with running_server([*NATIVE, *args], tmp_path / "think.log", STARTUP_TIMEOUT_S,
+                        STOP_TIMEOUT_S) as (port, _):
+        body = {"messages": MESSAGES, "response_format": {"type": "json_object"},
+                "logit_bias": {str(BYTE_THINK_END_ID): 4.0}}
+        done = answers(port, body)
+    for reason, message in done:
+        assert reason == "stop" and isinstance(json.loads(message["content"]), dict)
+    assert any(message.get("reasoning") for _, message in done)

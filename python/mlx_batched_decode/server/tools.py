@@ -6,7 +6,7 @@ calls built as OpenAI's ``tool_calls``.
 state machine's ``"tool"`` state) is parsed by the tool parser mlx-lm chose for the tokenizer,
 exactly as mlx_lm.server's ``ToolCallFormatter`` does. ``"none"`` offers no tools (the template
 gets none) and parses none. ``"required"`` and a named function take vLLM's semantics: the
-answer is constrained by a grammar (``ToolChoice.schema``) and turned into calls whole once it
+answer is constrained by a grammar (``forced_schema``) and turned into calls whole once it
 completes: a named function's answer is its ``arguments``; a required answer is a JSON array
 of ``{"name", "parameters"}`` objects, one call each.
 """
