@@ -43,10 +43,35 @@ TEXT = {"prompt": "w9 w10"}
         ("chat", {"messages": []}, "messages"),
         ("chat", {"messages": ["hi"]}, "messages\\[0\\]"),
         ("chat", {"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "text"),
-        ("chat", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ("chat", {**CHAT, "tools": [{"type": "function"}]}, "tools\\[0\\].function"),
+        ("chat", {**CHAT, "tools": {"f": 1}}, "tools"),
+        ("chat", {**CHAT, "tools": [{"function": {"name": "f", "parameters": []}}]},
+         "tools\\[0\\].function.parameters"),
+        ("chat", {**CHAT, "tools": [{"function": {"name": "f"}}] * 2}, "tools"),
         ("chat", {**CHAT, "tool_choice": "required"}, "tool_choice"),
-        ("chat", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
-        ("chat", {**CHAT, "guided_json": {}}, "guided_json"),
+        ("chat", {**CHAT, "tool_choice": "any"}, "tool_choice"),
+        ("chat", {**CHAT, "tools": [{"function": {"name": "f"}}],
+                  "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "tool_choice"),
+        ("text", {**TEXT, "tools": [{"function": {"name": "f"}}]}, "tools"),
+        ("chat", {**CHAT, "messages": [{"role": "assistant", "tool_calls": {}}]},
+         "messages\\[0\\].tool_calls"),
+        ("chat", {**CHAT, "response_format": {"type": "yaml"}}, "response_format.type"),
+        ("chat", {**CHAT, "response_format": {"type": "json_schema"}},
+         "response_format.json_schema"),
+        ("chat", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": 3}}}, "response_format.json_schema.schema"),
+        ("chat", {**CHAT, "guided_json": "{"}, "guided_json"),
+        ("chat", {**CHAT, "guided_choice": []}, "guided_choice"),
+        ("text", {**TEXT, "structured_outputs": {"regex": "a", "choice": ["b"]}},
+         "structured_outputs"),
+        ("text", {**TEXT, "structured_outputs": {"structural_tag": "a"}},
+         "structured_outputs.structural_tag"),
+        ("text", {**TEXT, "structured_outputs": {"grammar": 3}}, "structured_outputs.grammar"),
+        ("chat", {**CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+         "response_format and guided_regex"),
+        ("chat", {**CHAT, "tools": [{"function": {"name": "f"}}], "tool_choice": "required",
+                  "response_format": {"type": "json_object"}}, "response_format and tool_choice"),
         ("chat", {**CHAT, "modalities": ["text", "audio"]}, "modalities"),
         ("text", {**TEXT, "suffix": "end"}, "suffix"),
         ("text", {**TEXT, "best_of": 2}, "best_of"),
@@ -133,13 +158,11 @@ def test_nesting_is_refused_without_recursion():
 
 
 def test_refused_fields_asking_for_nothing_are_accepted():
-    nothing = {"tools": [], "tool_choice": "none", "functions": None, "function_call": "auto",
-               "parallel_tool_calls": True, "response_format": {"type": "text"}, "suffix": "",
-               "best_of": 1, "modalities": ["text"], "min_tokens": 0, "ignore_eos": False,
-               "draft_model": "default_model"}
+    nothing = {"functions": None, "function_call": "auto", "parallel_tool_calls": True,
+               "suffix": "", "best_of": 1, "modalities": ["text"], "min_tokens": 0,
+               "ignore_eos": False, "draft_model": "default_model"}
     assert set(nothing) | {"prediction", "audio", "web_search_options", "reasoning_effort",
-                           "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                           "structured_outputs", "adapters"} == set(REFUSED)
+                           "adapters"} == set(REFUSED)
     harmless = {"user": "u", "metadata": {"a": "b"}, "store": False, "service_tier": "auto",
                 "prediction": None, "not_an_openai_field": [1, {"x": 2}]}
     parse_request({**TEXT, **nothing, **harmless}, "text", Defaults())
@@ -253,3 +276,41 @@ def test_bodies_have_mlx_lm_servers_keys_in_order():
     delta = response_body(chat, True, True, [ChoiceBody(0, "")])["choices"][0]["delta"]
     assert delta == {"role": "assistant"}
     assert usage_body(chat, usage)["object"] == "chat.completion"
+
+
+def test_constraints_read_into_one_grammar():
+    from mlx_batched_decode.decoding.grammar import GrammarSpec
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}},
+             {"type": "function", "function": {"name": "g"}}]
+    cases = [
+        ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object"),
+         "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                     "schema": schema}}},
+         GrammarSpec("json_schema", json.dumps(schema)), "response_format"),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, GrammarSpec("regex", "[a-z]+"),
+         "structured_outputs"),
+        ({"structured_outputs": {"choice": ["x", "y"], "regex": None}},
+         GrammarSpec("choice", '["x", "y"]'), "structured_outputs"),
+        ({"guided_grammar": 'start: "a"'}, GrammarSpec("lark", 'start: "a"'), "guided_grammar"),
+        ({"guided_json": json.dumps(schema)}, GrammarSpec("json_schema", json.dumps(schema)),
+         "guided_json"),
+        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         GrammarSpec("json_schema", json.dumps(schema)), "tools[0].function.parameters"),
+    ]
+    for fields, spec, field in cases:
+        constraint = parse_request({**CHAT, **fields}, "chat", Defaults()).constraint
+        assert (constraint.spec, constraint.field) == (spec, field)
+    required = parse_request({**CHAT, "tools": tools, "tool_choice": "required"}, "chat",
+                             Defaults())
+    array = json.loads(required.constraint.spec.source)
+    assert array["type"] == "array" and array["minItems"] == 1
+    assert [c["properties"]["name"]["enum"] for c in array["items"]["anyOf"]] == [["f"], ["g"]]
+    assert required.tools.forced and not required.tools.parsed
+    for choice in ("none", "auto"):
+        request = parse_request({**CHAT, "tools": tools, "tool_choice": choice}, "chat",
+                                Defaults())
+        assert request.constraint is None
+        assert request.tools.tools == (None if choice == "none" else tools)

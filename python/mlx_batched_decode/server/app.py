@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,8 @@ from .protocol import APIError, CompletionRequest, Defaults
 from .responses import ResponseHeader, TokenTexts, response_body, usage_body
 from .text_stream import TextStream
 
+log = logging.getLogger("mlx_batched_decode.server")
+
 # How often a request answered whole looks for its client having hung up.
 _DISCONNECT_CHECK_S = 0.5
 # The largest request body read: far above any prompt a context holds.
@@ -51,7 +54,9 @@ class ServerState:
     positions a request may reach (prompt + ``max_tokens``). ``chat_template_args``: keywords
     for every ``apply_chat_template``. ``allowed_origins``: the CORS origins (``"*"``: any).
     ``keepalive_s``: how long a stream stays silent before a comment keeps it open.
-    ``stop_timeout``: seconds the shutdown waits for the decoding thread."""
+    ``stop_timeout``: seconds the shutdown waits for the decoding thread. ``grammars``: the
+    engine's ``GrammarCompiler``, which checks a request's constraint before it is accepted
+    (``None``: none could be made, and constrained requests are refused)."""
 
     engine: Engine
     tokenizer: Any
@@ -67,6 +72,7 @@ class ServerState:
     fingerprint: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     stop_timeout: float = 30.0
+    grammars: Optional[Any] = None
 
     def __post_init__(self) -> None:
         # One thread: tokenizers are not all safe to call from several at once.
@@ -93,11 +99,14 @@ def _chat_prompt(state: ServerState, request: CompletionRequest) -> Prompt:
         from mlx_lm.server import convert_chat
 
         return Prompt(tokenizer.encode(convert_chat(request.messages)), "")
+    if request.tools.tools and not tokenizer.has_tool_calling:
+        log.warning("tools offered to a model whose tokenizer has no tool-call format: "
+                    "its answers are not parsed for calls")
     try:
         prompt = tokenizer.apply_chat_template(
             request.messages,
             add_generation_prompt=True,
-            tools=None,
+            tools=request.tools.tools,
             tokenize=True,
             **{**state.chat_template_args, **request.chat_template_kwargs},
         )
@@ -111,8 +120,26 @@ def _chat_prompt(state: ServerState, request: CompletionRequest) -> Prompt:
     return Prompt(list(prompt), "", tokenizer.response_initial_state or initial)
 
 
+def _check_constraint(state: ServerState, request: CompletionRequest) -> None:
+    """400 naming the field unless the request's constraint compiles (the compiler caches it
+    for the engine); run on the tokenizing thread, as compiling may take a while."""
+    constraint = request.constraint
+    if constraint is None:
+        return
+    if state.grammars is None:
+        raise APIError(400, f"{constraint.field}: this server has no structured output "
+                       "(llguidance is not installed, or cannot read the model's tokenizer: "
+                       "its log says which)", code="unsupported_field")
+    try:
+        state.grammars.check(constraint.spec)
+    except ValueError as error:
+        raise APIError(400, f"{constraint.field}: {error}", code="invalid_value") from None
+
+
 def _tokenize(state: ServerState, request: CompletionRequest) -> list[Prompt]:
-    """Each prompt's token ids, as mlx_lm.server tokenizes (on the tokenizing thread)."""
+    """Each prompt's token ids, as mlx_lm.server tokenizes, and the request's constraint
+    checked (on the tokenizing thread)."""
+    _check_constraint(state, request)
     if request.kind == "chat":
         return [_chat_prompt(state, request)]
     prompts = []
@@ -180,7 +207,8 @@ async def _submissions(
             raise APIError(400, str(error), code="kv_budget_exceeded") from error
         choices = [
             Choice(p * request.n + j, TextStream(
-                state.tokenizer, request.stop, request.max_tokens, prompt.initial_state))
+                state.tokenizer, request.stop, request.max_tokens, prompt.initial_state,
+                tool_calls=request.tools.parsed))
             for j in range(request.n)
         ]
         # An echo with logprobs reports the prompt's tokens too.
@@ -188,8 +216,21 @@ async def _submissions(
         submissions.append(Submission(
             prompt.ids, request.max_tokens, choices, params, loop, queue,
             stop_tokens=tuple(state.tokenizer.eos_token_ids), prompt_logprobs=prompt_logprobs,
+            grammar=request.constraint and request.constraint.spec,
+            grammar_after=_grammar_after(state, prompt),
         ))
     return submissions, prompts
+
+
+def _grammar_after(state: ServerState, prompt: Prompt) -> Optional[int]:
+    """Where a constraint starts: after the thinking section the prompt left open (at its end
+    token), else at the first token."""
+    if prompt.initial_state != "reasoning":
+        return None
+    try:
+        return state.tokenizer.think_end_id
+    except ValueError:  # an end of thinking of several tokens: no single token starts it
+        return None
 
 
 async def _read_body(request: Request) -> Any:
@@ -230,7 +271,7 @@ async def _events(
     then its chunk with ``finish_reason``; the usage chunk if asked for, ``[DONE]``. A comment
     keeps the connection open while nothing comes (the request waits or feeds its prompt)."""
     header, chat = _header(request, state), request.kind == "chat"
-    answer = Answer(state.token_texts, request, prompts)
+    answer = Answer(state.token_texts, request, prompts, state.tokenizer.tool_parser)
     queue, ended = submissions[0].pieces, 0
     try:
         while ended < len(submissions):
@@ -248,7 +289,7 @@ async def _events(
             i = item.index
             if (echo := answer.echo(i)) is not None:
                 yield _sse(response_body(header, chat, True, [echo]))
-            if item.state != "tool" and (answer.text[i] or answer.reasoning[i]):
+            if item.state != "tool" and answer.ready(i):
                 yield _sse(response_body(header, chat, True, [answer.take(i)]))
             if item.finish_reason is not None:
                 yield _sse(response_body(header, chat, True, [answer.take(i, finish=True)]))
@@ -316,7 +357,7 @@ def _completion_route(kind: str):
         error = next((s.error for s in submissions if s.error is not None), None)
         if error is not None:
             return _json(APIError(500, error, "server_error").body(), 500)
-        answer = Answer(state.token_texts, request, prompts)
+        answer = Answer(state.token_texts, request, prompts, state.tokenizer.tool_parser)
         for item in items or ():
             answer.add(item)
         choices = [answer.whole(i) for i in range(len(answer.text))]

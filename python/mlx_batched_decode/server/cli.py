@@ -141,6 +141,22 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         raise SystemExit(f"{PROG}: {error}") from error
 
 
+def _grammar_compiler(model, tokenizer):
+    """The compiler of structured output's grammars for ``tokenizer`` over the model's logits
+    (measured by one token, before any sharding); ``None`` without llguidance or for a
+    tokenizer it cannot read (the server serves all else)."""
+    import mlx.core as mx
+
+    from ..decoding.grammar import GrammarCompiler
+
+    try:
+        width = model(mx.zeros((1, 1), dtype=mx.int32)).shape[-1]
+        return GrammarCompiler(tokenizer, width)
+    except (ImportError, ValueError) as error:
+        logging.warning("no structured output (requests for it are refused): %s", error)
+        return None
+
+
 def build_engine(args: argparse.Namespace, group=None):
     """Load the model (and draft), sharded over ``group`` if given; returns the engine core and
     the tokenizer."""
@@ -164,12 +180,13 @@ def build_engine(args: argparse.Namespace, group=None):
     config = engine_config(args)
     model, tokenizer, model_config = _load(args.model, args.chat_template)
     draft = None if args.draft_model is None else _load(args.draft_model, None)[0]
+    grammars = _grammar_compiler(model, tokenizer)
     try:
         if group is not None:
             shard(model, group)
             if draft is not None:
                 shard(draft, group)
-        core = EngineCore(model, config, draft)
+        core = EngineCore(model, config, draft, grammar_compiler=grammars)
     except ValueError as error:
         # A model the engine cannot serve: said once, no traceback.
         raise SystemExit(f"{PROG}: {error}") from error
@@ -202,6 +219,7 @@ def build_state(args: argparse.Namespace, core, tokenizer, model_config: dict, l
         keepalive_s=args.keepalive_interval,
         fingerprint=fingerprint(),
         stop_timeout=args.shutdown_timeout,
+        grammars=core.grammar_compiler,
     )
 
 

@@ -28,7 +28,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from ..decoding.engine_core import EngineCore
 from ..decoding.plan import StepPlan, StepResult, TokenLogprobs
@@ -72,7 +72,8 @@ class Submission:
     ``None`` once every choice has ended (``error`` set if it failed); several submissions of
     one request may share it. ``stop_tokens`` (the tokenizer's end-of-sequence ids) end a
     choice; ``prompt_logprobs``: the alternatives each prompt token's logprob comes with
-    (``None``: none reported). ``cached_tokens`` counts for its usage."""
+    (``None``: none reported); ``grammar``: the ``GrammarSpec`` its answers match, from the
+    token after ``grammar_after`` if that is set. ``cached_tokens`` counts for its usage."""
 
     prompt: list[int]
     max_tokens: int
@@ -82,6 +83,8 @@ class Submission:
     pieces: asyncio.Queue
     stop_tokens: Sequence[int] = ()
     prompt_logprobs: Optional[int] = None
+    grammar: Optional[Any] = None
+    grammar_after: Optional[int] = None
     arrived: float = field(default_factory=time.perf_counter)
     last_emitted: Optional[float] = None
     ended: bool = False
@@ -251,6 +254,7 @@ class Engine:
             uids = self.core.add_choices(
                 submission.prompt, submission.max_tokens, samplers,
                 stop_tokens=submission.stop_tokens, prompt_logprobs=submission.prompt_logprobs,
+                grammar=submission.grammar, grammar_after=submission.grammar_after,
             )
         except Exception as error:  # noqa: BLE001 - checked before it was accepted: a bug
             log.exception("a request could not be added")

@@ -11,10 +11,13 @@ asks for nothing; any other field is ignored, as mlx_lm.server ignores it.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Callable, Optional
 
 from .protocol import DEFAULT_MODEL, APIError, CompletionRequest, Defaults
+from .structured import parse_constraint
+from .tools import parse_tools
 
 # The deepest a body may nest (a chat's content parts sit at depth 5).
 MAX_DEPTH = 64
@@ -38,12 +41,9 @@ def _one(value: Any) -> bool:
 # Fields of OpenAI's API (and vLLM's and mlx_lm.server's) the server does not serve, each with
 # the test of a value that asks for nothing: any other value is refused by name.
 REFUSED: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v is None or v == [],
-    "tool_choice": lambda v: v is None or v in ("none", "auto"),
     "functions": lambda v: v is None or v == [],
     "function_call": lambda v: v is None or v in ("none", "auto"),
     "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "suffix": lambda v: v is None or v == "",
     "best_of": _one,
     "prediction": _nothing,
@@ -51,11 +51,6 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v is None or v == ["text"],
     "web_search_options": _nothing,
     "reasoning_effort": _nothing,
-    "guided_json": _nothing,
-    "guided_regex": _nothing,
-    "guided_choice": _nothing,
-    "guided_grammar": _nothing,
-    "structured_outputs": _nothing,
     "min_tokens": lambda v: v is None or (type(v) is int and v == 0),
     "ignore_eos": lambda v: v is None or v is False,
     "adapters": _nothing,
@@ -204,7 +199,30 @@ def _prompts(prompt: Any) -> list:
     return prompts
 
 
+def _tool_calls(calls: Any, index: int) -> list[dict]:
+    """An assistant message's ``tool_calls`` as mlx_lm.server hands them to the chat template:
+    each function's ``arguments`` JSON text read into its value."""
+    if not isinstance(calls, list):
+        raise _bad(f"messages[{index}].tool_calls must be a list", "invalid_type")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"messages[{index}].tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _bad(f"{where} must be an object whose function has a string name")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and arguments:
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as error:
+                raise _bad(f"{where}.function.arguments is no JSON: {error}") from None
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
 def _messages(body: dict) -> list[dict]:
+    """The chat's messages as mlx_lm.server hands them to the chat template: every key kept
+    (``tool_call_id``, ``name``, ...), content text, tool calls' arguments read."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("the request needs messages: a non-empty list", "missing_field")
@@ -212,8 +230,10 @@ def _messages(body: dict) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise _bad(f"messages[{i}] must be an object with a string role")
-        checked.append({"role": message["role"],
-                        "content": _message_content(message.get("content"), i)})
+        message = {**message, "content": _message_content(message.get("content"), i)}
+        if message.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(message["tool_calls"], i)
+        checked.append(message)
     return checked
 
 
@@ -284,6 +304,9 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
             raise _bad("the request needs a prompt", "missing_field")
         request.prompts = _prompts(body["prompt"])
         request.echo = _boolean(body, "echo")
+        for name in ("tools", "tool_choice"):
+            if body.get(name) not in (None, [], "none", "auto"):
+                raise _bad(f"{name} is served by /v1/chat/completions only", "unsupported_field")
     else:
         request.messages = _messages(body)
         if _boolean(body, "echo"):
@@ -292,6 +315,8 @@ def parse_request(body: Any, kind: str, defaults: Defaults) -> CompletionRequest
         if not isinstance(kwargs, dict):
             raise _bad("chat_template_kwargs must be an object", "invalid_type")
         request.chat_template_kwargs = kwargs
+        request.tools = parse_tools(body)
+    request.constraint = parse_constraint(body, request.tools)
     # max_completion_tokens is the newer name; 0 serves a completion's echoed prompt alone.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
         "max_tokens")

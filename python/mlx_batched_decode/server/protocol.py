@@ -48,6 +48,28 @@ class Defaults:
     min_p: float = 0.0
 
 
+@dataclass(frozen=True)
+class ToolChoice:
+    """A chat request's checked ``tools`` and ``tool_choice`` (``tools.py`` reads them).
+
+    ``tools``: what the chat template renders (``None``: no tools). ``mode``: ``"none"``,
+    ``"auto"``, ``"required"`` or ``"function"`` (``name`` is that function)."""
+
+    tools: Optional[list[dict]] = None
+    mode: str = "auto"
+    name: Optional[str] = None
+
+    @property
+    def parsed(self) -> bool:
+        """Whether the model's own tool-call markup is parsed into calls."""
+        return self.mode == "auto"
+
+    @property
+    def forced(self) -> bool:
+        """Whether the answer is constrained to calls (a grammar builds them)."""
+        return self.mode in ("required", "function")
+
+
 @dataclass
 class CompletionRequest:
     """One checked request: ``kind`` is ``"text"`` (``prompts``) or ``"chat"`` (``messages``).
@@ -56,7 +78,9 @@ class CompletionRequest:
     choices each). ``sampling``: the ``Sampler`` keywords it sets (every knob but ``seed``,
     already mapped into ``[0, 2**64)``, and ``logprobs``). ``logprobs``: how many alternatives
     each reported token comes with (``None``: no logprobs). ``echo``: a completion's prompt
-    comes first in its text (and logprobs)."""
+    comes first in its text (and logprobs). ``tools``: a chat's tools and ``tool_choice`` (a
+    completion offers none). ``constraint``: what the answer must match (``structured.py``;
+    ``None``: anything)."""
 
     kind: str
     model: str
@@ -72,3 +96,5 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)
+    tools: ToolChoice = field(default_factory=lambda: ToolChoice(None, "none"))
+    constraint: Optional[Any] = None

@@ -10,7 +10,7 @@ choice's legacy ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 # What OpenAI reports for a token the distribution rules out: JSON has no -Infinity.
@@ -31,14 +31,15 @@ class ResponseHeader:
 @dataclass
 class ChoiceBody:
     """One choice of a body: its ``text`` (a stream chunk's: what it adds), ``reasoning``,
-    ``finish_reason`` and built ``logprobs`` object (``None``: the key is left out, as
-    mlx_lm.server leaves it)."""
+    ``finish_reason``, built ``logprobs`` object (``None``: the key is left out, as
+    mlx_lm.server leaves it) and ``tool_calls`` (OpenAI's, built by ``tools.ToolCalls``)."""
 
     index: int
     text: str
     finish_reason: Optional[str] = None
     reasoning: str = ""
     logprobs: Optional[dict] = None
+    tool_calls: list = field(default_factory=list)
 
 
 @dataclass
@@ -137,6 +138,8 @@ def _choice(choice: ChoiceBody, chat: bool, stream: bool) -> dict:
             message["content"] = choice.text
         if choice.reasoning:
             message["reasoning"] = choice.reasoning
+        if choice.tool_calls:
+            message["tool_calls"] = choice.tool_calls
     else:
         out["text"] = choice.text
     if choice.logprobs is not None:

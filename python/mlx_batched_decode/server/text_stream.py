@@ -9,21 +9,24 @@ generated token, from its generation loop and its ``handle_completion``, in one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 
 @dataclass
 class Piece:
     """What one token adds to a response: ``text`` (answer), ``reasoning`` (between thinking
-    markers), ``state`` (the text state after it: ``"tool"`` holds a stream's chunk back) and
-    ``finish_reason`` (``"stop"``, ``"length"`` or ``None`` while it runs). The decoding thread
-    sets which choice it belongs to (``index``) and the token's ``logprob`` row if asked for."""
+    markers), ``state`` (the text state after it: ``"tool"`` holds a stream's chunk back),
+    ``finish_reason`` (``"stop"``, ``"length"`` or ``None`` while it runs) and ``calls``: the
+    tool-call texts it completed (each between a pair of tool-call markers). The decoding
+    thread sets which choice it belongs to (``index``) and the token's ``logprob`` row if asked
+    for."""
 
     text: str
     reasoning: str
     state: Optional[str]
     finish_reason: Optional[str]
+    calls: list[str] = field(default_factory=list)
     index: int = 0
     logprob: Optional[Any] = None
 
@@ -37,6 +40,8 @@ class TextStream:
         max_tokens: the most tokens it generates ("length" at the last one).
         initial_state: the state machine's state at the start (``"normal"``, or ``"reasoning"``
             when the prompt opened a thinking block).
+        tool_calls: whether the text between tool-call markers is a call (mlx_lm.server's
+            rule); ``False``: it is answer text (no tools were offered).
     """
 
     def __init__(
@@ -45,6 +50,7 @@ class TextStream:
         stop_words: Sequence[str],
         max_tokens: int,
         initial_state: str = "normal",
+        tool_calls: bool = True,
     ):
         from mlx_lm.generate import make_stop_sequences, make_text_state_machine
 
@@ -55,6 +61,9 @@ class TextStream:
         )
         self.max_tokens = max_tokens
         self.tokens = 0
+        self.tool_calls = tool_calls
+        self.previous = initial_state
+        self.tool_text = ""
 
     def feed(self, token: int) -> Piece:
         """The next generated token -> what it adds; ``finish_reason`` is set on the last one
@@ -91,8 +100,24 @@ class TextStream:
         self.state, current = TextStateMachine.discard(self.state)
         return self._piece([(current, "")], "stop")
 
-    @staticmethod
-    def _piece(segments: list, finish: Optional[str]) -> Piece:
-        text = "".join(t for s, t in segments if s not in ("reasoning", None))
-        reasoning = "".join(t for s, t in segments if s == "reasoning")
-        return Piece(text, reasoning, segments[-1][0], finish)
+    def _piece(self, segments: list, finish: Optional[str]) -> Piece:
+        """The segments sorted by state as mlx_lm.server sorts them: answer text in
+        ``"normal"``, reasoning, and tool text, a call once its state is left (or the answer
+        ends in it)."""
+        piece = Piece("", "", segments[-1][0], finish)
+        for state, text in segments:
+            if state == "tool" and not self.tool_calls:
+                state = "normal"
+            if state == "reasoning":
+                piece.reasoning += text
+            elif state == "tool":
+                self.tool_text += text
+            elif state == "normal":
+                if self.previous == "tool":
+                    piece.calls.append(self.tool_text)
+                    self.tool_text = ""
+                piece.text += text
+            self.previous = state
+        if finish is not None and self.previous == "tool" and self.tool_text:
+            piece.calls.append(self.tool_text)
+        return piece
