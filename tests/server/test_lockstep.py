@@ -129,7 +129,11 @@ def test_a_follower_executing_the_plans_takes_the_same_steps(loaded, layout, mon
         # Uneven lengths, a stop string, a cancel mid-run, two choices sampling from one
         # prompt: rows join, fork and leave at every turn.
         subs = [submission(tokenizer, [9 + i, 10, 11][: 1 + i % 3], 4 + 3 * i) for i in range(4)]
-        subs.append(submission(tokenizer, [40, 41, 42, 43], 6, n=2, temperature=1.0))
+        # No end-of-sequence token: both choices run past their first token, so the second
+        # is admitted as a fork of the first's row.
+        no_end = {t: -100.0 for t in tokenizer.eos_token_ids}
+        subs.append(submission(tokenizer, [40, 41, 42, 43], 6, n=2, temperature=1.0, seed=5,
+                               logit_bias=no_end))
         subs[1].choices[0].stream = TextStream(tokenizer, [tokenizer.decode([20])], 7)
         long = submission(tokenizer, [30, 31], 10_000)
         for sub in [long, *subs]:
