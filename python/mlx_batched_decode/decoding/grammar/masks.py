@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
-import numpy as np
-
 
 class MaskRequest(NamedTuple):
     """One matcher's rows: ``row`` (the first, in the bitmask) gets the mask of its current
@@ -21,12 +19,14 @@ class MaskRequest(NamedTuple):
 
 def fill_bitmasks(
     executor: Any, requests: Sequence[MaskRequest], rows: int, width: int
-) -> np.ndarray:
-    """int32 ``[S = rows, W = width]``: bit ``t % 32`` of word ``t // 32`` set where token t is
+) -> Any:
+    """A numpy int32 ``[S = rows, W = width]``: bit ``t % 32`` of word ``t // 32`` set where token t is
     allowed, for every row ``requests`` name (llguidance's ``LLExecutor``, its threads in
     parallel, the GIL released). A matcher's draft rows past a draft token its grammar
     rejects keep every bit set: the rejected token ends acceptance before them."""
+    # Here, not at import: numpy and llguidance come with the grammar extra.
     import llguidance.numpy as llnp
+    import numpy as np
 
     bitmask = np.full((rows, width), -1, dtype=np.int32)
     if any(r.drafts for r in requests):
