@@ -106,20 +106,27 @@ class Replayer:
         return decode(next(self.sent))
 
 
+class RunnerOutputs:
+    """What every runner's ``execute`` returns, kept by the side (``"leader"`` or
+    ``"follower"``) running now."""
+
+    def __init__(self, monkeypatch):
+        self.side, self.of = "leader", {"leader": [], "follower": []}
+        real_execute = ModelRunner.execute
+
+        def recording_execute(runner, plan, *args):
+            output = real_execute(runner, plan, *args)
+            self.of[self.side].append(output)
+            return output
+
+        monkeypatch.setattr(ModelRunner, "execute", recording_execute)
+
+
 @pytest.mark.parametrize("layout", ["slot", "paged"])
 def test_a_follower_executing_the_plans_takes_the_same_steps(loaded, layout, monkeypatch):
     model, tokenizer = loaded
     recorder = Recorder()
-    outputs = {"leader": [], "follower": []}
-    side = "leader"
-    real_execute = ModelRunner.execute
-
-    def recording_execute(runner, plan, *args):
-        output = real_execute(runner, plan, *args)
-        outputs[side].append(output)
-        return output
-
-    monkeypatch.setattr(ModelRunner, "execute", recording_execute)
+    outputs = RunnerOutputs(monkeypatch)
     config = EngineConfig(CacheConfig(kv_layout=layout, block_size=4))
 
     async def main():
@@ -150,11 +157,11 @@ def test_a_follower_executing_the_plans_takes_the_same_steps(loaded, layout, mon
     changes = [c for p in plans[:-1] for c in p.row_changes]
     assert any(isinstance(c, Release) for c in changes)
     assert any(isinstance(c, Admission) and c.source is not None for c in changes)
-    side = "follower"
+    outputs.side = "follower"
     follower = EngineCore(model, config)
     steps = follow(follower.runner, Replayer(recorder.sent))
-    assert steps == len(plans) - 1 == len(outputs["leader"])
-    assert outputs["follower"] == outputs["leader"]
+    assert steps == len(plans) - 1 == len(outputs.of["leader"])
+    assert outputs.of["follower"] == outputs.of["leader"]
 
 
 def test_a_follower_makes_the_same_grammar_masks(tmp_path, monkeypatch):
@@ -175,16 +182,7 @@ def test_a_follower_makes_the_same_grammar_masks(tmp_path, monkeypatch):
         str(save_byte_model_folder(dict(SMALL_LLAMA, vocab_size=BYTE_VOCAB + 10), tmp_path, seed=1))
     )
     compiler = GrammarCompiler(tokenizer, BYTE_VOCAB + 10)
-    outputs = {"leader": [], "follower": []}
-    side = "leader"
-    real_execute = ModelRunner.execute
-
-    def recording_execute(runner, plan, *args):
-        output = real_execute(runner, plan, *args)
-        outputs[side].append(output)
-        return output
-
-    monkeypatch.setattr(ModelRunner, "execute", recording_execute)
+    outputs = RunnerOutputs(monkeypatch)
     config = EngineConfig(CacheConfig(kv_step=16), SchedulerConfig(max_batch_size=6), draft=True)
     leader = EngineCore(model, config, model, grammar_compiler=compiler)
     prompt = tokenizer.encode("<|user|> hi <|assistant|>")
@@ -202,8 +200,8 @@ def test_a_follower_makes_the_same_grammar_masks(tmp_path, monkeypatch):
         sent.append(encode(plan))
         leader.run(plan)
     sent.append(encode(None))
-    side = "follower"
+    outputs.side = "follower"
     follower = EngineCore(model, config, model, grammar_compiler=compiler)
-    assert follow(follower.runner, Replayer(sent)) == len(outputs["leader"])
-    assert outputs["follower"] == outputs["leader"]
-    assert any(o.grammar_ends for o in outputs["leader"])
+    assert follow(follower.runner, Replayer(sent)) == len(outputs.of["leader"])
+    assert outputs.of["follower"] == outputs.of["leader"]
+    assert any(o.grammar_ends for o in outputs.of["leader"])

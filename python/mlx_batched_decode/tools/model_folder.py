@@ -1,6 +1,7 @@
 """Random-weight mlx-lm model folders with small tokenizers, made offline.
 
-``save_model_folder`` (a word-level tokenizer) writes what ``mlx_lm.load`` and ``mlx_lm.server --model DIR`` read:
+``save_model_folder`` (a word-level tokenizer) writes what ``mlx_lm.load`` and
+``mlx_lm.server --model DIR`` read:
 
 - ``model.safetensors`` (+ index) and ``config.json``, written with mlx-lm's own ``save_model``
   and ``save_config`` from a model built by ``random_model``;

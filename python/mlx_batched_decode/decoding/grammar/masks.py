@@ -20,9 +20,9 @@ class MaskRequest(NamedTuple):
 def fill_bitmasks(
     executor: Any, requests: Sequence[MaskRequest], rows: int, width: int
 ) -> Any:
-    """A numpy int32 ``[S = rows, W = width]``: bit ``t % 32`` of word ``t // 32`` set where token t is
-    allowed, for every row ``requests`` name (llguidance's ``LLExecutor``, its threads in
-    parallel, the GIL released). A matcher's draft rows past a draft token its grammar
+    """A numpy int32 ``[S = rows, W = width]``: bit ``t % 32`` of word ``t // 32`` set where token
+    t is allowed, for every row ``requests`` name (llguidance's ``LLExecutor``, its threads
+    in parallel, the GIL released). A matcher's draft rows past a draft token its grammar
     rejects keep every bit set: the rejected token ends acceptance before them."""
     # Here, not at import: numpy and llguidance come with the grammar extra.
     import llguidance.numpy as llnp
