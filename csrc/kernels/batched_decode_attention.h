@@ -536,6 +536,11 @@ inline float bda_tile_row_sum(float x) {
   return x + simd_shuffle_xor(x, ushort(8));
 }
 
+// Whether key `key` of a staged block of n keys, position t, counts for a row of keys `range`.
+inline bool bda_tile_holds(int key, int n, int t, BdaRange range, const threadgroup int* valid) {
+  return key < n && t >= range.lo && t < range.hi && valid[key] != 0;
+}
+
 // V floats into threadgroup memory.
 inline void bda_put(threadgroup float* x, float v) {
   x[0] = v;
@@ -560,9 +565,11 @@ inline void bda_put(threadgroup float* x, float4 v) {
 // 8-key block: S = Q K^T and O += P V by 8 x 8 multiply-accumulate, the online
 // softmax in float32 on S's elements (thread_elements: each lane holds two
 // columns of one row), each score masked to its row's range as bda_attend does.
-// A non-finite value of a key inside the interval but outside a row's range
-// meets that row's zero weight in P V (0 x inf): the row is NaN where the
-// vector path leaves it finite. Single pass: the plan never splits it.
+// P V multiplies every staged value by every row's weight, and a key outside a
+// row's range weighs 0 there: 0 x NaN (or inf) would make the row NaN. So the
+// staging notes whether a value of the block is not finite, and only such a
+// block takes P V lane by lane, each row adding only the keys of its range.
+// Single pass: the plan never splits it.
 template <typename T, int D, typename Rows>
 inline void bda_attend_tiles(
     const device T* queries,
@@ -585,7 +592,8 @@ inline void bda_attend_tiles(
   constexpr int NV = D / V;
   constexpr int THREADS = MBD_TILE_SIMDGROUPS * MBD_SIMD_WIDTH;
   static_assert(KB % 8 == 0 && 2 * KB >= MBD_TILE_ROWS, "whole 8-key blocks; the query tile fits the staging");
-  static_assert((2 * KB * D + KB) * 4 + MBD_MAX_SIMDGROUPS * (D + 2 * MBD_MAX_ROWS) * 4 + MBD_TILE_KEYS * 4 <= 32768,
+  static_assert((2 * KB * D + KB + MBD_TILE_SIMDGROUPS) * 4 + MBD_MAX_SIMDGROUPS * (D + 2 * MBD_MAX_ROWS) * 4 +
+                    MBD_TILE_KEYS * 4 <= 32768,
                 "the staged blocks and bda_attend's own threadgroup memory fit 32 KB");
   typedef typename bda_vec<float, V>::type floatv;
   const int tid = int(sg) * MBD_SIMD_WIDTH + int(lane);
@@ -609,6 +617,7 @@ inline void bda_attend_tiles(
   // K rows, then V rows, of a block; first the query tile [MBD_TILE_ROWS, D].
   threadgroup float bda_stage[2 * KB * D];
   threadgroup int bda_stage_valid[KB];
+  threadgroup int bda_stage_nonfinite[MBD_TILE_SIMDGROUPS];
   for (int e = tid; e < MBD_TILE_ROWS * NV; e += THREADS) {
     const int r = group_first + e / NV;
     floatv x = floatv(0.0f);
@@ -636,6 +645,7 @@ inline void bda_attend_tiles(
   const float softcap = p.softcap;
   for (int tile = keys.lo; tile < keys.hi; tile += KB) {
     const int n = min(KB, keys.hi - tile);
+    bool nonfinite = false;
     for (int e = tid; e < 2 * KB * NV; e += THREADS) {
       const int side = e / (KB * NV);
       const int key = e / NV % KB;
@@ -648,11 +658,22 @@ inline void bda_attend_tiles(
         }
         if (row.valid) {
           x = side == 0 ? kv.key(row, tile + key, vi) : kv.value(row, tile + key, vi);
+          // x . 0 is NaN exactly when an element is NaN or inf.
+          nonfinite = nonfinite || (side == 1 && isnan(bda_dot(x, floatv(0.0f))));
         }
       }
       bda_put(&bda_stage[e * V], x);
     }
+    const int sg_nonfinite = simd_max(nonfinite ? 1 : 0);
+    if (lane == 0) {
+      bda_stage_nonfinite[sg] = sg_nonfinite;
+    }
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    // Uniform across the threadgroup: whether P V must keep each row to its own keys.
+    bool guarded = false;
+    for (int k = 0; k < MBD_TILE_SIMDGROUPS; ++k) {
+      guarded = guarded || bda_stage_nonfinite[k] != 0;
+    }
     for (int kb = 0; kb < n; kb += 8) {
       // Uniform across the simdgroup: a block outside all its rows' keys is neither multiplied nor weighed.
       if (tile + kb >= sg_hi || tile + kb + 8 <= sg_lo) {
@@ -674,7 +695,7 @@ inline void bda_attend_tiles(
         if (softcap > 0.0f) {
           scores[j] = softcap * precise::tanh(scores[j] / softcap);
         }
-        in[j] = key < n && t >= range.lo && t < range.hi && bda_stage_valid[key] != 0;
+        in[j] = bda_tile_holds(key, n, t, range, bda_stage_valid);
         if (in[j]) {
           block_max = max(block_max, scores[j]);
         }
@@ -689,10 +710,32 @@ inline void bda_attend_tiles(
       l = l * factor + bda_tile_row_sum(block_sum);
       m = m_new;
       for (int d = 0; d < ND; ++d) {
-        simdgroup_float8x8 v;
-        simdgroup_load(v, bda_stage + KB * D, D, ulong2(8 * d, kb));
         o[d].thread_elements() *= factor;
-        simdgroup_multiply_accumulate(o[d], s, v, o[d]);
+      }
+      if (!guarded) {
+        for (int d = 0; d < ND; ++d) {
+          simdgroup_float8x8 v;
+          simdgroup_load(v, bda_stage + KB * D, D, ulong2(8 * d, kb));
+          simdgroup_multiply_accumulate(o[d], s, v, o[d]);
+        }
+        continue;
+      }
+      // A value is NaN or inf: each lane adds its row's weights of the keys in
+      // the row's range to its own elements of O. The row's 8 weights are in
+      // this lane and lanes ^1, ^8 and ^9 (columns ^2, ^4 and ^6).
+      for (int other = 0; other < 4; ++other) {
+        const int col = at.col ^ ((other & 1) << 1) ^ ((other & 2) << 1);
+        for (int j = 0; j < 2; ++j) {
+          const float w = simd_shuffle_xor(scores[j], ushort((other & 1) | ((other & 2) << 2)));
+          const int key = kb + col + j;
+          if (bda_tile_holds(key, n, tile + key, range, bda_stage_valid)) {
+            const threadgroup float* value = bda_stage + (KB + key) * D + at.col;
+            for (int d = 0; d < ND; ++d) {
+              o[d].thread_elements()[0] += w * value[8 * d];
+              o[d].thread_elements()[1] += w * value[8 * d + 1];
+            }
+          }
+        }
       }
     }
     // The next block overwrites this one only once every simdgroup has read it.

@@ -183,6 +183,16 @@ MUTATIONS = {
         "simdgroup_load(v, bda_stage + KB * D, D, ulong2(8 * d, kb));",
         "simdgroup_load(v, bda_stage + KB * D, D, ulong2(8 * d, kb), true);",
     ),
+    # The tiled path's P V on a block holding a NaN or inf value: the value never noticed (every block
+    # multiplied, as the kernel once did), or each row adding every key, its range forgotten.
+    "tiled_non_finite_values_unnoticed": (
+        "(side == 1 && isnan(bda_dot(x, floatv(0.0f))))",
+        "(side == 2 && isnan(bda_dot(x, floatv(0.0f))))",
+    ),
+    "tiled_guarded_rows_take_every_key": (
+        "if (bda_tile_holds(key, n, tile + key, range, bda_stage_valid)) {",
+        "if (key < n) {",
+    ),
     # Vector loads whatever the views' alignment (UBSan reports them, see test_metal_sanitizers).
     "vector_loads_whatever_the_alignment": (
         "constant bool bda_vector_loads [[function_constant(MBD_FC_VECTOR_LOADS)]];",
@@ -210,6 +220,8 @@ VARLEN_ONLY = {"packed_rows_one_position_late", "value_stride_of_the_keys", "val
 
 # Mutations of the tiled path, run on its cases (tests/kernels/metal/test_metal_tiled_emulated.py).
 TILED_ONLY = {"tiled_position_off_by_one", "tiled_softcap_dropped", "tiled_values_transposed"}
+# Mutations of the tiled path's non-finite values, run on the cases of tests/kernels/metal/test_metal_non_finite.py.
+TILED_NON_FINITE_ONLY = {"tiled_non_finite_values_unnoticed", "tiled_guarded_rows_take_every_key"}
 
 # Caught by the sanitizer builds only (tests/kernels/metal/test_metal_sanitizers.py): on x86 a
 # misaligned vector load reads the right bytes (UBSan), and a tile restaged early is a race

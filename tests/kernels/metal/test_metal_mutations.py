@@ -17,8 +17,8 @@ import pytest
 from tests.metal_emu.build import CACHE, build_library
 from tests.metal_emu.cases import make_case
 from tests.metal_emu.driver import EmulatedLibrary, HarnessError
-from tests.metal_emu.mutants import (MUTATIONS, PAGED_ONLY, RAGGED_ONLY, RING_ONLY, SANITIZER_ONLY, TILED_ONLY,
-                                     VARLEN_ONLY, mutant_source)
+from tests.metal_emu.mutants import (MUTATIONS, PAGED_ONLY, RAGGED_ONLY, RING_ONLY, SANITIZER_ONLY,
+                                     TILED_NON_FINITE_ONLY, TILED_ONLY, VARLEN_ONLY, mutant_source)
 from tests.metal_emu.reference import TOLERANCE, to_float64
 from tests.metal_emu.sources import HEADER
 
@@ -110,7 +110,7 @@ def test_unmutated_kernel_passes_the_same_cases():
 
 
 @pytest.mark.parametrize("name", sorted(set(MUTATIONS) - SANITIZER_ONLY - PAGED_ONLY - RAGGED_ONLY - RING_ONLY -
-                                         VARLEN_ONLY - TILED_ONLY))
+                                         VARLEN_ONLY - TILED_ONLY - TILED_NON_FINITE_ONLY))
 def test_mutant_fails_the_harness(name):
     lib = EmulatedLibrary(build_library(mutant_source(name, [KERNEL])))
     verdicts = {case: verdict(lib, c) for case, c in cases(lib).items()}

@@ -11,6 +11,10 @@ positions, the finite values within tolerance. Both launch paths.
   softmax of -inf logits only (0/0), on the Metal kernel, the CPU kernel and
   the reference alike, unless a finite sink takes the whole weight (zeros); a
   row with no key at all gives zeros.
+- On the tiled path (packed queries of many rows): NaN or inf in a key or a value
+  at a position inside a tile's keys (the joint interval of its rows' ranges) but
+  outside some rows' ranges (a window or a causal end between rows): those rows
+  stay as float64 attention leaves them, finite; with vector and scalar loads.
 
 Dimensions: B requests, H_q/H_kv query/KV heads, G = H_q / H_kv, L query rows
 per request, T positions, D head dim.
@@ -23,9 +27,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tests.kernels.metal.test_metal_tiled_emulated import library as tiled_library
+from tests.kernels.metal.test_metal_varlen_emulated import plan_of
 from tests.metal_emu.build import build_library
 from tests.metal_emu.cases import make_case
 from tests.metal_emu.driver import EmulatedLibrary
+from tests.metal_emu.mutants import TILED_NON_FINITE_ONLY, mutant_source
 from tests.metal_emu.reference import TOLERANCE, to_dtype, to_float64
 
 mbd = pytest.importorskip("mlx_batched_decode")
@@ -155,3 +162,50 @@ def test_rows_whose_scores_are_all_minus_inf(lib, path, sinks):
     expected = check(lib, case)
     assert (np.isnan(expected[0]).all() if sinks != "finite" else not expected[0].any())
     assert np.isfinite(expected[1]).all() and not expected[2].any()
+
+
+# Packed requests of 5 and 6 rows (G = 4: tiles of 20 and 24 rows) with a window of 4: request 0's
+# rows attend [12, 16) .. [16, 20), request 1's [4, 8) .. [9, 13). Each position poisoned below is
+# inside its tile's keys and inside one or two rows' ranges only: the window start of the first row,
+# the causal end of the last, one in between.
+IN_TILE = dict(t=24, lens=[20, 13], query_rows=[5, 6], window=4)
+IN_TILE_POSITIONS = [(0, 12), (0, 19), (1, 5)]
+
+
+def in_tile_case(dtype: str, where: str, poison: float):
+    """IN_TILE over 2 KV heads, G = 4, D = 64; ``poison`` in one element of KV head 1's ``where``
+    (keys or values) at each of IN_TILE_POSITIONS."""
+    case = make_case(np.random.default_rng(len(dtype)), dtype, 64, 2, 4, IN_TILE["t"], IN_TILE["lens"],
+                     query_rows=IN_TILE["query_rows"], window=IN_TILE["window"])
+    target = getattr(case, where)
+    for b, position in IN_TILE_POSITIONS:
+        target[b, 1, position, 3] = to_dtype(np.array(poison), dtype)
+    return case
+
+
+@pytest.mark.parametrize("loads", ["vector", "scalar"])
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["keys", "values"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_non_finite_inside_a_tile_outside_a_rows_range(dtype, where, poison, loads):
+    """A row whose range misses the poisoned positions stays finite, as in float64 attention; the
+    rows that attend one agree with it too (NaN, inf or finite as it gives)."""
+    lib = tiled_library()
+    case = in_tile_case(dtype, where, poison)
+    assert plan_of(lib, case)["tiled"]
+    got = to_float64(case.run(lib, shift=0 if loads == "vector" else 1), dtype)
+    assert lib.vector_loads() == (loads == "vector")
+    expected = case.reference()
+    assert_agree(got, expected, dtype)
+    assert np.isfinite(expected).any() and not np.isfinite(expected).all()
+
+
+@pytest.mark.parametrize("name", sorted(TILED_NON_FINITE_ONLY))
+def test_tiled_mutant_fails(name):
+    """P V of a block with a non-finite value kept to each row's keys: mutants that forget the value
+    or the rows' ranges must give NaN where float64 attention is finite."""
+    mutant = EmulatedLibrary(build_library(mutant_source(name, ["batched_decode_attention_float32_64"])))
+    for poison in (np.nan, np.inf):
+        case = in_tile_case("float32", "values", poison)
+        got = to_float64(case.run(mutant), "float32")
+        assert (np.isnan(got) & np.isfinite(case.reference())).any(), name
