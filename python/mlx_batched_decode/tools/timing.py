@@ -13,7 +13,7 @@ def median_seconds(fn: Callable[[], object], warmup: int = 3, repeats: int = 15)
 
 
 def interleaved_medians(
-    fns: Sequence[Callable[[], object]], warmup: int = 3, repeats: int = 15
+    fns: Sequence[Callable[[], object]], warmup: int = 3, repeats: int = 15, pause: float = 0.0
 ) -> list[float]:
     """Median wall time of each fn, timed in turns (f0, f1, f2, f2, f1, f0, ...).
 
@@ -21,6 +21,10 @@ def interleaved_medians(
     turns, the functions see the same drift, so their ratios are fair. The
     order flips every round, so each fn follows each other one equally often
     (what ran before leaves caches and sleeping threads behind).
+
+    pause: seconds slept, untimed, before each timed call, so that threads a
+    library leaves polling after its call (the CPU kernel's pool polls for
+    MBD_CPU_SPIN_US) are asleep before the next one starts.
     """
     for _ in range(warmup):
         for fn in fns:
@@ -29,6 +33,8 @@ def interleaved_medians(
     turns = list(zip(fns, times))
     for round_ in range(repeats):
         for fn, ts in turns if round_ % 2 == 0 else turns[::-1]:
+            if pause:
+                time.sleep(pause)
             start = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - start)
