@@ -20,7 +20,7 @@ from mlx_batched_decode.decoding.decoder import BatchedDecoder  # noqa: E402
 from mlx_batched_decode.decoding.request import FinishReason  # noqa: E402
 from mlx_batched_decode.decoding.sampling import Sampler  # noqa: E402
 from mlx_batched_decode.tools.random_model import random_model  # noqa: E402
-from tests.support.mlx_lm_models import LLAMA, random_prompts  # noqa: E402
+from tests.support.mlx_lm_models import LLAMA, direct_logprobs, random_prompts  # noqa: E402
 
 LAYOUTS = {
     "slot": dict(kv_step=16),
@@ -50,13 +50,6 @@ def drain(decoder):
             prompt.setdefault(uid, []).extend(entries)
         reasons.update(result.reasons)
     return tokens, logprobs, prompt, reasons, fed
-
-
-def direct_logprobs(model, prompt):
-    """float64 ``[P, V]``: the log-softmax of the model's logits at every prompt position."""
-    logits = np.array(model(mx.array(prompt)[None]).astype(mx.float32)[0], dtype=np.float64)
-    top = logits.max(-1, keepdims=True)
-    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -22,6 +22,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from mlx_batched_decode.tools.local_server import running_server  # noqa: E402
+from tests.support.mlx_lm_models import direct_logprobs  # noqa: E402
 from tests.server.test_native_server import (  # noqa: E402, F401
     NATIVE,
     STARTUP_TIMEOUT_S,
@@ -327,17 +328,6 @@ def served_model(model_dir):
     from mlx_lm.utils import load
 
     return load(str(model_dir))[0]
-
-
-def direct_logprobs(model, ids):
-    """float64 ``[len(ids), V]``: the log-softmax of the served model's logits at every
-    position of ``ids``, from one forward pass of its own."""
-    import mlx.core as mx
-    import numpy as np
-
-    logits = np.array(model(mx.array(ids)[None]).astype(mx.float32)[0], dtype=np.float64)
-    top = logits.max(-1, keepdims=True)
-    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
 
 def test_logprob_values_equal_a_direct_forward_pass(server, tokenizer, served_model):

@@ -273,3 +273,13 @@ def mlx_lm_greedy(model, prompt, max_tokens, **options):
 
     steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, **options)
     return [token for token, _ in steps]
+
+
+def direct_logprobs(model, ids):
+    """float64 ``[len(ids), V]``: the log-softmax of ``model``'s logits at every position of
+    ``ids``, from one forward pass of its own (the reference for reported logprobs)."""
+    import numpy as np
+
+    logits = np.array(model(mx.array(ids)[None]).astype(mx.float32)[0], dtype=np.float64)
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
