@@ -201,6 +201,25 @@ def ov_tensor(case, x, keep):
     return ov.Tensor(x, shared_memory=True)
 
 
+def _infer_each(compiled, keep, inputs):
+    """A run of ``compiled`` once per layer's ``inputs`` (name -> ``ov.Tensor``), each on an infer
+    request made and bound once; the run keeps ``keep`` (what the tensors share memory with)."""
+    requests = []
+    for tensors in inputs:
+        request = compiled.create_infer_request()
+        for name, tensor in tensors.items():
+            request.set_tensor(name, tensor)
+        requests.append(request)
+
+    def run():
+        for request in requests:
+            request.infer()
+        return [request.get_output_tensor(0) for request in requests]
+
+    run.keep = keep
+    return run
+
+
 def openvino_sdpa(case, threads):
     import openvino as ov
     import openvino.opset13 as ops
@@ -218,22 +237,10 @@ def openvino_sdpa(case, threads):
     keep = []
     q_t = ov_tensor(case, case.q.reshape(case.B, H_KV, G, D), keep)
     mask_t = ov.Tensor(np.arange(case.T)[None, None, None, :] < case.lens[:, None, None, None])
-    requests = []
-    for kc, vc in case.kv:
-        r = compiled.create_infer_request()
-        tensors = {"q": q_t, "k": ov_tensor(case, kc, keep), "v": ov_tensor(case, vc, keep), "mask": mask_t}
-        for name, t in tensors.items():
-            r.set_tensor(name, t)
-        requests.append(r)
-
-    def run():
-        for r in requests:
-            r.infer()
-        return [r.get_output_tensor(0) for r in requests]
-
-    run.keep = keep
-
-    return run
+    return _infer_each(compiled, keep, [
+        {"q": q_t, "k": ov_tensor(case, kc, keep), "v": ov_tensor(case, vc, keep), "mask": mask_t}
+        for kc, vc in case.kv
+    ])
 
 
 def openvino_pa(case, threads):
@@ -294,25 +301,13 @@ def openvino_pa(case, threads):
             out[begins[b] : begins[b + 1]] = part.reshape(H_KV, n, block, D).transpose(1, 0, 2, 3)
         return out
 
-    requests = []
-    for kc, vc in case.kv:
-        r = compiled.create_infer_request()
-        tensors = fixed | {
+    return _infer_each(compiled, keep, [
+        fixed | {
             "k": ov_tensor(case, case.newest(kc), keep), "v": ov_tensor(case, case.newest(vc), keep),
             "key_cache": ov_tensor(case, paged(kc), keep), "value_cache": ov_tensor(case, paged(vc), keep),
         }
-        for name, t in tensors.items():
-            r.set_tensor(name, t)
-        requests.append(r)
-
-    def run():
-        for r in requests:
-            r.infer()
-        return [r.get_output_tensor(0) for r in requests]
-
-    run.keep = keep
-
-    return run
+        for kc, vc in case.kv
+    ])
 
 
 def onnxruntime_gqa(case, threads):
