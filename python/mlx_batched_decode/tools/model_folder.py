@@ -53,27 +53,36 @@ def save_model_folder(config: dict[str, Any], path: Union[str, Path], seed: int 
     The tokenizer has ``config["vocab_size"]`` tokens. Returns ``path``.
     """
     import tokenizers
-    from mlx_lm.utils import save_config, save_model
 
-    path = Path(path)
     vocab_size = config["vocab_size"]
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(
             f"[save_model_folder] vocab_size must exceed the {len(SPECIAL_TOKENS)} special "
             f"tokens, got {vocab_size}"
         )
-    save_model(path, random_model(config, seed=seed))
-    save_config({**config, "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN)}, path / "config.json")
-
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     vocab.update({word(i): i for i in range(len(SPECIAL_TOKENS), vocab_size)})
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    eos_id = SPECIAL_TOKENS.index(EOS_TOKEN)
+    return _write_folder(Path(path), config, seed, eos_id, tokenizer, {"unk_token": "<unk>"})
+
+
+def _write_folder(
+    path: Path, config: dict[str, Any], seed: int, eos_id: int, tokenizer: Any, extra: dict
+) -> Path:
+    """A random-weight model of ``config`` and ``tokenizer`` (a ``tokenizers.Tokenizer``),
+    written as mlx-lm writes a model folder: the weights, ``config.json`` with ``eos_id``,
+    ``tokenizer.json`` and a ``tokenizer_config.json`` with ``extra`` keys."""
+    from mlx_lm.utils import save_config, save_model
+
+    save_model(path, random_model(config, seed=seed))
+    save_config({**config, "eos_token_id": eos_id}, path / "config.json")
     tokenizer.save(str(path / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": "<unk>",
+        **extra,
         "eos_token": EOS_TOKEN,
         "chat_template": CHAT_TEMPLATE,
         "model_max_length": 1 << 20,
@@ -110,22 +119,9 @@ def save_byte_model_folder(config: dict[str, Any], path: Union[str, Path], seed:
     """Write a random-weight model of ``config`` (float32) with the byte-level tokenizer to
     ``path``; ``config["vocab_size"]`` is at least ``BYTE_VOCAB`` (more: padded logits, ids
     no text maps to). Returns ``path``."""
-    from mlx_lm.utils import save_config, save_model
-
-    path = Path(path)
     if config["vocab_size"] < BYTE_VOCAB:
         raise ValueError(
             f"[save_byte_model_folder] vocab_size must be at least {BYTE_VOCAB}, "
             f"got {config['vocab_size']}"
         )
-    save_model(path, random_model(config, seed=seed))
-    save_config({**config, "eos_token_id": BYTE_EOS_ID}, path / "config.json")
-    byte_tokenizer().save(str(path / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN,
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 1 << 20,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    return path
+    return _write_folder(Path(path), config, seed, BYTE_EOS_ID, byte_tokenizer(), {})
