@@ -23,8 +23,9 @@ on huge pages), the two timed in turns so that a shared machine's drifting
 memory speed hits both alike; "numpy bw" is the former numpy probe, timed in
 the same turns, for comparison only. The two floors (common.Floors) come from
 the same turns: "mem floor" is the valid bytes over the read probe's rate,
-"fma floor" the call's 2 x H_q x D multiply-adds per key over the float32 FMA
-peak of the kernel variant's vectors, "of roofline" the larger over the time. With --rounds N every row is measured N
+"arith floor" the call's 2 x H_q x D multiply-adds per key over the peak of
+the instruction the kernel variant computes them with (common.decode_work:
+float32 FMAs on its vectors, or the AVX512_BF16 dot product for bfloat16), "of roofline" the larger over the time. With --rounds N every row is measured N
 times, on fresh buffers, the rounds spread over the run; each figure is the
 median of its N values (peers: first round).
 
@@ -46,7 +47,7 @@ import mlx_batched_decode as mbd
 from mlx_batched_decode import _ext
 
 from common import (
-    Floors, NumpyReadBandwidth, decode_multiply_adds, describe_machine, llc_bytes, machine, median_seconds,
+    Floors, NumpyReadBandwidth, decode_multiply_adds, decode_work, describe_machine, llc_bytes, machine, median_seconds,
     print_table, rotation_sets, save,
 )
 
@@ -109,6 +110,7 @@ class Case:
         self.row = {
             "heads": heads, "B": B, "lengths": kind, "dtype": dtype_name, "T": T, "valid_bytes": valid_bytes,
             "multiply_adds": decode_multiply_adds(int(self.lens_np.sum()), H_q, D),
+            "work": decode_work(int(self.lens_np.sum()), H_q, D, dtype, group=H_q // H_kv),
             "layers": layers, "bytes_rotated": valid_bytes * layers, "llc_bytes": llc_bytes(),
             "rotated_x_llc": valid_bytes * layers / llc_bytes(),
             "kv_on_huge_pages": on_huge / (buffer_bytes * layers), "softcap": softcap,
@@ -130,7 +132,7 @@ def finish_row(case, seconds, floors, peers, numpy_bandwidth=None):
     row, layers = case.row, len(case.kv)
     t = seconds / layers
     gbs = row["valid_bytes"] / t / 1e9
-    row.update(ms=t * 1e3, gbs=gbs, **floors.columns(t, row["valid_bytes"], row["multiply_adds"]))
+    row.update(ms=t * 1e3, gbs=gbs, **floors.columns(t, row["valid_bytes"], row["work"]))
     row["frac_bw"] = gbs / row["bw_gbs"]
     if numpy_bandwidth is not None:
         row.update(numpy_bw_gbs=numpy_bandwidth, frac_numpy_bw=gbs / numpy_bandwidth)

@@ -13,7 +13,9 @@ Per row: median ms per layer call; GB/s of the valid cache bytes each kernel rea
 2 * D / 64 scales and biases of 2 bytes each when quantized); that as a fraction of the
 machine's read bandwidth, probed in turns with the kernels in the same seconds; the two floors
 (common.Floors: those bytes over the read rate, and 2 x H_q x D multiply-adds per key over the
-float32 FMA peak, dequantization being the kernel's overhead, not part of the floor) and the share
+peak of the instruction that computes them, common.decode_work: scores on vpdpwssd's int16 dot
+product where the AVX-512 variants score integers, values on float32 FMAs; dequantization is the
+kernel's overhead, not part of the floor) and the share
 of the roofline (the larger floor over the time); the speedup
 over the float16 op and over mlx-lm; "hot ms", the same call on one layer whose cache stays
 in the last-level cache (what the arithmetic alone costs: when hot ms is close to ms, the
@@ -39,7 +41,7 @@ import mlx_batched_decode as mbd
 
 from common import (
     Floors,
-    decode_multiply_adds,
+    decode_work,
     describe_machine,
     interleaved_medians,
     llc_bytes,
@@ -162,7 +164,8 @@ def run_case(case, rotate_bytes, repeats, floors, with_peer):
             "bytes_rotated": nbytes(dense[0]) * len(dense) if bits == 16 else nbytes(quantized[bits][0]) * layers[name],
             "max_err": err,
         }
-        row |= floors.columns(t, valid * row_bytes, decode_multiply_adds(int(lens_np.sum()), H_Q, D))
+        work = decode_work(int(lens_np.sum()), H_Q, D, q.dtype, group=H_Q // H_KV, bits=None if bits == 16 else bits)
+        row |= floors.columns(t, valid * row_bytes, work)
         row["frac_bw"] = row["gbs"] / row["bw_gbs"]
         if name in hot:
             row["hot_ms"] = hot_seconds[name] * 1e3

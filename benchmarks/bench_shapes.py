@@ -3,7 +3,8 @@ attention sinks and head dims, against the targets of the issue that added them.
 
 Groups (Llama-3-8B heads, 32 query / 8 KV heads; K/V on huge pages as SlotKVCache keeps them,
 rotated through distinct buffers ("layers") of at least 3x the last-level cache; each group's
-calls and the floors' probes (common.Floors: read bandwidth and float32 FMA peak) timed in turns,
+calls and the floors' probes (common.Floors: read bandwidth and the peak of each instruction the
+kernel computes with, common.decode_work) timed in turns,
 the median of --rounds rounds):
 
 - window: B=8, 16k keys per request, float16, window 1024 vs none. Target: at least 10x
@@ -33,7 +34,7 @@ import numpy as np
 import mlx_batched_decode as mbd
 from mlx_batched_decode import _ext
 
-from common import Floors, decode_multiply_adds, describe_machine, llc_bytes, machine, print_table, rotation_sets, save
+from common import Floors, decode_work, describe_machine, llc_bytes, machine, print_table, rotation_sets, save
 
 H_Q, H_KV = 32, 8
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -62,7 +63,7 @@ class Call:
         self.q = mx.random.normal((B, H_Q, L, D)).astype(dtype)
         mx.eval(self.q)
         self.bytes = read_keys * H_KV * D * 2 * self.q.itemsize  # per layer
-        self.multiply_adds = decode_multiply_adds(read_keys, H_Q, D, L)
+        self.multiply_adds = decode_work(read_keys, H_Q, D, dtype, rows=L, group=H_Q // H_KV)
         self.rotated = sum(k.nbytes + v.nbytes for k, v in kv)
 
     def outputs(self):

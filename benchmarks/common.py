@@ -38,44 +38,99 @@ def decode_multiply_adds(keys, heads_q, head_dim, rows=1):
     return 2 * keys * heads_q * rows * head_dim
 
 
+# Head dims with kernels of their own (csrc/head_dims.h); others run the generic kernel.
+FAST_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256, 512)
+
+
+def decode_work(keys, heads_q, head_dim, dtype, rows=1, group=1, bits=None, isa=None):
+    """decode_multiply_adds split by the instruction the CPU kernel variant `isa` (default: the one
+    in use) computes them with, {unit: multiply-adds}, half scores and half weighted values, as
+    csrc/cpu/decode_kernel.cpp dispatches them: on avx512bf16, bfloat16 scores on the AVX512_BF16
+    dot product (`bf16_dot`) and so its values where the head dim is a fast one and a multiple of
+    32; on the AMX variant, 16-bit items of at least 12 (float16) or 8 (bfloat16) query rows
+    (group x rows) on `amx_bf16`; quantized keys (`bits`) with 16-bit queries scored on
+    `int16_dot` (vpdpwssd) in the AVX-512 variants below the rows that dequantize blocks (16 at 8
+    bits, 8 at 4); everything else on float32 FMAs (`fma32`). dtype: the queries' (an mx dtype)."""
+    import mlx.core as mx
+
+    isa = isa or _ext.cpu_isa()
+    half = keys * heads_q * rows * head_dim
+    item_rows = group * rows
+    sixteen_bit = dtype in (mx.float16, mx.bfloat16)
+    scores = values = "fma32"
+    if bits is not None:
+        if sixteen_bit and isa in ("avx512bf16", "avx512fp16", "amx") and item_rows < (16 if bits == 8 else 8):
+            scores = "int16_dot"
+    elif isa == "amx" and sixteen_bit and item_rows >= (12 if dtype == mx.float16 else 8):
+        scores = values = "amx_bf16"
+    elif isa == "avx512bf16" and dtype == mx.bfloat16:
+        scores = "bf16_dot"
+        if head_dim in FAST_HEAD_DIMS and head_dim % 32 == 0:
+            values = "bf16_dot"
+    work = {scores: half}
+    work[values] = work.get(values, 0) + half
+    return work
+
+
+# The units each CPU kernel variant computes on (decode_work), fma32 first.
+KERNEL_UNITS = {
+    "baseline": ("fma32",), "avx2": ("fma32",), "avx512bf16": ("fma32", "bf16_dot", "int16_dot"),
+    "avx512fp16": ("fma32", "int16_dot"), "amx": ("fma32", "int16_dot", "amx_bf16"),
+}
+
+
 class Floors:
     """The two floors of a CPU call and its share of the roofline, from probes timed in turns with
-    the calls: the memory floor (bytes / the read probe's bandwidth) and the arithmetic floor
-    (multiply-adds / the float32 FMA peak of the kernel variant's vectors). A call's share of the
-    roofline is max(memory floor, arithmetic floor) / its time; a share above 100% of the
-    arithmetic floor alone means a dot-product or tile unit beat float32 FMAs."""
+    the calls: the memory floor (bytes / the read probe's bandwidth) and the arithmetic floor, the
+    multiply-adds over the peak of the instruction that computes them (decode_work: float32 FMAs
+    on the kernel variant's vectors, or a dot-product or tile unit), each unit's probe timed in
+    the same turns. A call's share of the roofline is max(memory floor, arithmetic floor) / its
+    time."""
 
     COLUMNS = [
-        ("mem_floor_ms", "mem floor", "{:.3f}"), ("arith_floor_ms", "fma floor", "{:.3f}"),
+        ("mem_floor_ms", "mem floor", "{:.3f}"), ("arith_floor_ms", "arith floor", "{:.3f}"),
         ("roofline", "of roofline", "{:.0%}"),
     ]
 
     def __init__(self, huge_pages=True, read=None):
         self.read = read or ReadBandwidth(huge_pages)
-        self.fma = ArithmeticPeak()
-        self.describe = self.read.describe | self.fma.describe
+        available = set(_ext.available_arithmetic_units())
+        units = [u for u in KERNEL_UNITS[_ext.cpu_isa()] if u in available]
+        self.units = {u: ArithmeticPeak(u) for u in units}
+        self.fma = self.units["fma32"]
+        self.describe = self.read.describe | self.fma.describe | {"arith_units": units}
         self.gbs = self.fma_rate = None
+        self.rates = {}
 
     def timed(self, calls, **turns):
-        """Median seconds of each of `calls` timed in turns with each other and the two probes
+        """Median seconds of each of `calls` timed in turns with each other and the probes
         (interleaved_medians' warmup and repeats); the probes' rates are kept for columns()."""
-        *seconds, t_read, t_fma = interleaved_medians(list(calls) + [self.read.probe, self.fma.probe], **turns)
-        self.gbs, self.fma_rate = self.read.gbs(t_read), self.fma.rate(t_fma)
+        probes = [self.read.probe] + [u.probe for u in self.units.values()]
+        times = interleaved_medians(list(calls) + probes, **turns)
+        seconds, t_read, t_units = times[: len(calls)], times[len(calls)], times[len(calls) + 1:]
+        self.gbs = self.read.gbs(t_read)
+        self.rates = {name: unit.rate(t) for (name, unit), t in zip(self.units.items(), t_units)}
+        self.fma_rate = self.rates["fma32"]
         return seconds
 
-    def columns(self, seconds, nbytes, multiply_adds):
-        """A row's floor figures for one call of `seconds` that reads `nbytes` and needs
-        `multiply_adds`, against the rates of the last timed()."""
-        memory, arith = nbytes / (self.gbs * 1e9), multiply_adds / self.fma_rate
+    def columns(self, seconds, nbytes, work):
+        """A row's floor figures for one call of `seconds` that reads `nbytes` and computes `work`:
+        multiply-adds on float32 FMAs, or decode_work's {unit: multiply-adds}, against the rates
+        of the last timed()."""
+        work = work if isinstance(work, dict) else {"fma32": work}
+        memory = nbytes / (self.gbs * 1e9)
+        arith = sum(n / self.rates[unit] for unit, n in work.items())
         return {
             "bw_gbs": self.gbs, "fma_gs": self.fma_rate / 1e9, "mem_floor_ms": memory * 1e3,
-            "arith_floor_ms": arith * 1e3, "frac_arith": arith / seconds, "roofline": max(memory, arith) / seconds,
-        }
+            "arith_floor_ms": arith * 1e3, "arith_units": sorted(work), "frac_arith": arith / seconds,
+            "roofline": max(memory, arith) / seconds,
+        } | {f"{unit}_gs": self.rates[unit] / 1e9 for unit in work}
 
     def header(self):
         """What the floors are measured with, and every arithmetic unit's peak, for a table's top."""
         peaks = ", ".join(f"{unit} {g:.0f}" for unit, g in arithmetic_peaks().items())
-        return f"floors: {self.read.label}; {self.fma.label}; peaks (G multiply-adds/s): {peaks}"
+        return (f"floors: {self.read.label}; {self.fma.label} and the units the kernel computes on "
+                f"({', '.join(self.units)}); peaks (G multiply-adds/s): {peaks}")
 
 
 class NumpyReadBandwidth:

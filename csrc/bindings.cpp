@@ -517,7 +517,7 @@ Raises:
                    "XOR of the 64-bit words the last read loaded; word i of the buffer holds i.");
 
   m.def("arithmetic_units", &mbd::cpu::arithmetic_units,
-        "Units an ArithmeticProbe can rate: 'fma32', 'bf16_dot', 'int8_dot', 'amx_bf16', 'amx_int8'.");
+        "Units an ArithmeticProbe can rate: 'fma32', 'bf16_dot', 'int16_dot', 'int8_dot', 'amx_bf16', 'amx_int8'.");
   m.def("available_arithmetic_units", &mbd::cpu::available_arithmetic_units,
         "Those of arithmetic_units() this CPU (and OS, for AMX tile state) runs.");
   nb::class_<mbd::cpu::ArithmeticProbe>(
@@ -532,9 +532,9 @@ added into a sum; a dot-product instruction does several per lane.)")
       .def(nb::init<const std::string&, const std::string&>(), "unit"_a = "fma32", "isa"_a = "",
            R"(Args:
     unit (str): ``"fma32"`` (float32 fused multiply-adds), ``"bf16_dot"``
-        (AVX512_BF16 ``vdpbf16ps``), ``"int8_dot"`` (AVX512-VNNI
-        ``vpdpbusd``), ``"amx_bf16"`` (``tdpbf16ps``) or ``"amx_int8"``
-        (``tdpbusd``).
+        (AVX512_BF16 ``vdpbf16ps``), ``"int16_dot"`` (AVX512-VNNI
+        ``vpdpwssd``), ``"int8_dot"`` (AVX512-VNNI ``vpdpbusd``),
+        ``"amx_bf16"`` (``tdpbf16ps``) or ``"amx_int8"`` (``tdpbusd``).
     isa (str): the vector width of ``"fma32"``: ``"avx512"``, ``"avx2"``
         or ``"baseline"`` (128-bit vectors); empty for the widest this CPU
         runs. The dot-product units take only ``""``.

@@ -111,6 +111,22 @@ __attribute__((target("avx512f,avx512bf16"))) uint64_t bf16_dot() {
   return fold(reinterpret_cast<const float*>(acc), sizeof(acc) / sizeof(float));
 }
 
+// int16 1 x int16 1 in every word: each vpdpwssd adds 2 to a lane (the
+// quantized kernels' scores on 16-bit queries, quantized_tiles.h).
+__attribute__((target("avx512f,avx512vnni"))) uint64_t int16_dot() {
+  __m512i acc[kWideChains];
+  for (auto& x : acc) {
+    x = _mm512_setzero_si512();
+  }
+  const __m512i a = _mm512_set1_epi16(1);
+  for (int i = 0; i < kDotIters; ++i) {
+    for (auto& x : acc) {
+      x = _mm512_dpwssd_epi32(x, a, a);
+    }
+  }
+  return fold(reinterpret_cast<const int32_t*>(acc), sizeof(acc) / sizeof(int32_t));
+}
+
 // uint8 1 x int8 1 in every byte: each vpdpbusd adds 4 to a lane.
 __attribute__((target("avx512f,avx512vnni"))) uint64_t int8_dot() {
   __m512i acc[kWideChains];
@@ -223,6 +239,7 @@ constexpr Unit kUnits[] = {
     {"fma32", "baseline", fma_baseline, uint64_t{kFmaIters} * kNarrowChains * 4, always},
 #if defined(__x86_64__) || defined(_M_X64)
     {"bf16_dot", "", bf16_dot, uint64_t{kDotIters} * kWideChains * 16 * 2, has_bf16_dot},
+    {"int16_dot", "", int16_dot, uint64_t{kDotIters} * kWideChains * 16 * 2, has_int8_dot},
     {"int8_dot", "", int8_dot, uint64_t{kDotIters} * kWideChains * 16 * 4, has_int8_dot},
     {"amx_bf16", "", tile_products<false>, uint64_t{kTileIters} * 4 * 16 * 16 * 32, has_amx_bf16},
     {"amx_int8", "", tile_products<true>, uint64_t{kTileIters} * 4 * 16 * 16 * 64, has_amx_int8},
@@ -232,7 +249,7 @@ constexpr Unit kUnits[] = {
 } // namespace
 
 std::vector<std::string> arithmetic_units() {
-  return {"fma32", "bf16_dot", "int8_dot", "amx_bf16", "amx_int8"};
+  return {"fma32", "bf16_dot", "int16_dot", "int8_dot", "amx_bf16", "amx_int8"};
 }
 
 std::vector<std::string> available_arithmetic_units() {

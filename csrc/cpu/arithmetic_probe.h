@@ -15,6 +15,7 @@ namespace mlx_batched_decode::cpu {
 // one add of a pair of elements; a dot-product instruction does several):
 //   "fma32"     float32 fused multiply-adds on vectors of `isa`'s width;
 //   "bf16_dot"  AVX512_BF16 vdpbf16ps (bfloat16 pairs into float32 lanes);
+//   "int16_dot" AVX512-VNNI vpdpwssd (int16 pairs into int32 lanes);
 //   "int8_dot"  AVX512-VNNI vpdpbusd (uint8 x int8 quads into int32 lanes);
 //   "amx_bf16"  AMX tdpbf16ps (a 16x32 by 32x16 bfloat16 tile product);
 //   "amx_int8"  AMX tdpbusd (a 16x64 by 64x16 uint8 x int8 tile product).

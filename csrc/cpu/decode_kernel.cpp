@@ -47,6 +47,13 @@ template <typename T>
 constexpr bool kBf16Dot = false;
 #endif
 
+// Values weighted with the same dot product (accumulate_pairs): bfloat16 rows
+// of a fast head dim that is a multiple of 32, in unmasked blocks. Their
+// weights are rounded to bfloat16 (relative error <= 2^-9 each, as
+// FlashAttention rounds P for P.V) and the softmax sums the rounded weights.
+template <typename T, int D, int Bits>
+constexpr bool kPairValues = kBf16Dot<T> && Bits == 0 && D != 0 && D % 32 == 0;
+
 // The lanes of the vector loops (lanes.h): 16 in a variant compiled for
 // AVX-512, for every dtype (the 8-lane loops are bound by their instructions
 // at G = 4: on the AMD EPYC the 16-lane build takes 14-35% less CPU per key
@@ -1167,7 +1174,7 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
       }
       for (int sp = 0; sp < n_spans; ++sp) {
         for (int r = spans[sp].lo; r < spans[sp].hi; ++r) {
-          alpha[r] = softmax_block(scores + r * kBlock, n, st.m[r], st.l[r]);
+          alpha[r] = softmax_block<kPairValues<T, D, Bits>>(scores + r * kBlock, n, st.m[r], st.l[r]);
         }
       }
 
@@ -1211,8 +1218,15 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
           continue;
         }
         value_tiles(spans[sp].lo, spans[sp].hi, [&]<int H>(int r) {
+          const Lookahead ahead = r == spans[0].lo ? v_next : Lookahead{};
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+          if constexpr (kPairValues<T, D, Bits>) {
+            accumulate_pairs<D, H>(st.acc + r * Dvp, alpha + r, scores + r * kBlock, kBlock, rows, n, ahead);
+            return;
+          }
+#endif
           accumulate_rows<VectorLanes, D, H, false>(st.acc + r * Dvp, alpha + r, scores + r * kBlock, kBlock, rows, n,
-                                                    Dvp, nullptr, r == spans[0].lo ? v_next : Lookahead{});
+                                                    Dvp, nullptr, ahead);
         });
       }
     }

@@ -236,4 +236,90 @@ inline void accumulate_rows(
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 32-dim chunks per slice of accumulate_pairs: up to 16 accumulators for H rows
+// (two per chunk and row), dividing the D / 32 chunks.
+constexpr int pair_slice_chunks(int D, int H) {
+  for (int w = 4; w > 1; --w) {
+    if ((D / 32) % w == 0 && 2 * H * w <= 16) {
+      return w;
+    }
+  }
+  return 1;
+}
+
+// accumulate_rows for bfloat16 value rows and weights w already rounded to
+// bfloat16 (softmax_block<true>), unmasked, on the AVX512_BF16 dot product:
+// two keys per instruction, each product exact and the sums float32, so one
+// VDPBF16PS does the work of two FMAs and no row is widened. Rows j and j + 1
+// are interleaved into (v_j[d], v_j+1[d]) pairs by VPUNPCK{L,H}WD, which
+// works within 128-bit lanes: a 32-dim chunk's sums land in two accumulators,
+// dims 8k .. 8k + 3 in `lo` and 8k + 4 .. 8k + 7 in `hi` (k = 0..3). The
+// accumulators are permuted into that order once per slice and back on store.
+// A last odd row is paired with zeros. n <= 32.
+template <int D, int H>
+inline void accumulate_pairs(float* acc, const float* alpha, const float* w, int w_stride,
+                             const mx::bfloat16_t* const* rows, int n, Lookahead ahead = {}) {
+  static_assert(D > 0 && D % 32 == 0, "whole 32-dim chunks");
+  constexpr int W = pair_slice_chunks(D, H);
+  // Weights of keys 2p and 2p + 1 as one bfloat16 pair: pairs[h][p]. Exact, as
+  // w is rounded already; lanes past n are 0 and never read past n + 1.
+  alignas(64) uint32_t pairs[H][16];
+  for (int h = 0; h < H; ++h) {
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + h * w_stride + 16), _mm512_loadu_ps(w + h * w_stride));
+    _mm512_store_si512(pairs[h], (__m512i)(b));
+  }
+  // Natural dims 0..15 (first) and 16..31 (second) <-> the lo / hi order.
+  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i to_hi = _mm512_add_epi32(to_lo, _mm512_set1_epi32(4));
+  const __m512i to_first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i to_second = _mm512_add_epi32(to_first, _mm512_set1_epi32(8));
+  const mx::bfloat16_t* next[32];
+  for (int j = 0; j < n; ++j) {
+    next[j] = successor(rows[j], j, ahead);
+  }
+  for (int i = 0; i < D; i += 32 * W) {
+    __m512 lo[H][W], hi[H][W];
+    for (int h = 0; h < H; ++h) {
+      const __m512 scale = _mm512_set1_ps(alpha[h]);
+      for (int c = 0; c < W; ++c) {
+        const float* a = acc + h * D + i + 32 * c;
+        const __m512 first = _mm512_loadu_ps(a), second = _mm512_loadu_ps(a + 16);
+        lo[h][c] = _mm512_mul_ps(_mm512_permutex2var_ps(first, to_lo, second), scale);
+        hi[h][c] = _mm512_mul_ps(_mm512_permutex2var_ps(first, to_hi, second), scale);
+      }
+    }
+    for (int j = 0; j < n; j += 2) {
+      const bool odd = j + 1 == n;
+      __m512i pl[W], ph[W];
+      for (int c = 0; c < W; ++c) {
+        prefetch_line(next[j], i + 32 * c);
+        const __m512i a = _mm512_loadu_si512(rows[j] + i + 32 * c);
+        __m512i b = _mm512_setzero_si512();
+        if (!odd) {
+          prefetch_line(next[j + 1], i + 32 * c);
+          b = _mm512_loadu_si512(rows[j + 1] + i + 32 * c);
+        }
+        pl[c] = _mm512_unpacklo_epi16(a, b);
+        ph[c] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int h = 0; h < H; ++h) {
+        const __m512bh wh = (__m512bh)(_mm512_set1_epi32(static_cast<int>(pairs[h][j / 2])));
+        for (int c = 0; c < W; ++c) {
+          lo[h][c] = _mm512_dpbf16_ps(lo[h][c], (__m512bh)(pl[c]), wh);
+          hi[h][c] = _mm512_dpbf16_ps(hi[h][c], (__m512bh)(ph[c]), wh);
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      for (int c = 0; c < W; ++c) {
+        float* a = acc + h * D + i + 32 * c;
+        _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo[h][c], to_first, hi[h][c]));
+        _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo[h][c], to_second, hi[h][c]));
+      }
+    }
+  }
+}
+#endif
+
 } // namespace mlx_batched_decode::cpu::MBD_CPU_ISA

@@ -131,7 +131,10 @@ inline __m512 softcap16(__m512 x, float cap) {
 // Updates the running max m and sum l, turns x into weights exp(x - m_new)
 // and returns alpha = exp(m_old - m_new), the factor for the old accumulator.
 // x must have room for n rounded up to 16; lanes past n are set to weight 0.
-// 16 lanes where AVX-512 has them: half the instructions of 8.
+// 16 lanes where AVX-512 has them: half the instructions of 8. RoundBf16:
+// each weight is rounded to bfloat16 before it joins l, for value loops that
+// multiply in bfloat16 (accumulate_pairs): l then sums the weights they use.
+template <bool RoundBf16 = false>
 inline float softmax_block(float* x, int n, float& m, float& l) {
   const float neg_inf = -INFINITY;
   const int n16 = (n + 15) & ~15;
@@ -152,7 +155,15 @@ inline float softmax_block(float* x, int n, float& m, float& l) {
   for (int j = 0; j < n16; j += 16) {
     const __m512 v = _mm512_loadu_ps(x + j);
     const __mmask16 outside = _mm512_cmp_ps_mask(v, _mm512_set1_ps(neg_inf), _CMP_EQ_OQ);
-    const __m512 w = exp16(_mm512_mask_sub_ps(v, static_cast<__mmask16>(~outside), v, mn));
+    __m512 w = exp16(_mm512_mask_sub_ps(v, static_cast<__mmask16>(~outside), v, mn));
+    if constexpr (RoundBf16) {
+#if defined(__AVX512BF16__)
+      const __m256i b = (__m256i)(_mm512_cvtneps_pbh(w));
+      w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+#else
+      static_assert(!RoundBf16, "bfloat16 weights need AVX512_BF16");
+#endif
+    }
     _mm512_storeu_ps(x + j, w);
     sum = _mm512_add_ps(sum, w);
   }
@@ -165,7 +176,9 @@ inline float softmax_block(float* x, int n, float& m, float& l) {
 // Updates the running max m and sum l, turns x into weights exp(x - m_new)
 // and returns alpha = exp(m_old - m_new), the factor for the old accumulator.
 // x must have room for n rounded up to 8; lanes past n are set to weight 0.
+template <bool RoundBf16 = false>
 inline float softmax_block(float* x, int n, float& m, float& l) {
+  static_assert(!RoundBf16, "bfloat16 weights are an AVX-512 path");
   const float neg_inf = -INFINITY;
   const int n8 = (n + 7) & ~7;
   for (int j = n; j < n8; ++j) {

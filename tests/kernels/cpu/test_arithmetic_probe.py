@@ -5,6 +5,7 @@ rates positive and alike across two runs, and unknown units or widths are refuse
 import struct
 import sys
 
+import mlx.core as mx
 import pytest
 
 from mlx_batched_decode import _ext
@@ -18,9 +19,10 @@ WIDTHS = ("avx512", "avx2", "baseline")
 PIECES = 128  # pieces per run (arithmetic_probe.cpp)
 # Per piece: the accumulators (count, value each ends at, its struct format) and the multiply-adds
 # that got them there. bfloat16 2^-6 pairs add 2 x 2^-12 per vdpbf16ps lane, 32 x 2^-12 per
-# tdpbf16ps element; ones add 4 per vpdpbusd lane and 64 per tdpbusd element.
+# tdpbf16ps element; ones add 2 per vpdpwssd lane, 4 per vpdpbusd lane and 64 per tdpbusd element.
 EXACT = {
     "bf16_dot": (16 * 16, (1 << 15) * 2 * 2.0**-12, "f", (1 << 15) * 16 * 16 * 2),
+    "int16_dot": (16 * 16, (1 << 15) * 2, "i", (1 << 15) * 16 * 16 * 2),
     "int8_dot": (16 * 16, (1 << 15) * 4, "i", (1 << 15) * 16 * 16 * 4),
     "amx_bf16": (4 * 256, (1 << 13) * 32 * 2.0**-12, "f", (1 << 13) * 4 * 256 * 32),
     "amx_int8": (4 * 256, (1 << 13) * 64, "i", (1 << 13) * 4 * 256 * 64),
@@ -45,7 +47,7 @@ def _runs(unit, width=""):
 
 
 def test_units_are_listed_and_fma32_always_runs():
-    assert _ext.arithmetic_units() == ["fma32", "bf16_dot", "int8_dot", "amx_bf16", "amx_int8"]
+    assert _ext.arithmetic_units() == ["fma32", "bf16_dot", "int16_dot", "int8_dot", "amx_bf16", "amx_int8"]
     assert _ext.available_arithmetic_units()[0] == "fma32"
     assert set(_ext.available_arithmetic_units()) <= set(_ext.arithmetic_units())
 
@@ -88,9 +90,36 @@ def test_benchmark_peak_computes_on_the_kernel_variants_vectors():
     assert peak.rate(0.5) == pytest.approx(peak.multiply_adds / 0.5)
     floors = common.Floors(huge_pages=False, read=common.ReadBandwidth(huge_pages=False, nbytes=8 << 20))
     floors.timed([lambda: None], warmup=1, repeats=3)
-    row = floors.columns(2e-3, nbytes=floors.gbs * 1e9 * 1e-3, multiply_adds=floors.fma_rate * 5e-4)
+    row = floors.columns(2e-3, nbytes=floors.gbs * 1e9 * 1e-3, work=floors.fma_rate * 5e-4)
     assert row["mem_floor_ms"] == pytest.approx(1.0) and row["arith_floor_ms"] == pytest.approx(0.5)
     assert row["roofline"] == pytest.approx(0.5), "the larger floor over the time"
+    # Work on several units: each part over its own unit's peak, timed in the same turns.
+    assert set(floors.rates) == set(floors.units) and "fma32" in floors.units
+    work = {unit: rate * 1e-4 for unit, rate in floors.rates.items()}
+    row = floors.columns(2e-3, nbytes=0, work=work)
+    assert row["arith_floor_ms"] == pytest.approx(0.1 * len(work)) and row["arith_units"] == sorted(work)
+
+
+def test_arithmetic_floors_follow_the_kernels_instructions():
+    """common.decode_work names the instruction each half of a decode call's multiply-adds runs on,
+    as decode_kernel.cpp dispatches them."""
+    work = common.decode_work
+    half = 10 * 32 * 128  # keys x query heads x D
+    assert work(10, 32, 128, mx.bfloat16, group=4, isa="avx512bf16") == {"bf16_dot": 2 * half}
+    # Values of head dims that are not multiples of 32 keep FMAs.
+    assert work(10, 32, 80, mx.bfloat16, group=4, isa="avx512bf16") == {"bf16_dot": half * 80 // 128,
+                                                                       "fma32": half * 80 // 128}
+    for isa in ("avx2", "avx512fp16"):
+        assert work(10, 32, 128, mx.bfloat16, group=4, isa=isa) == {"fma32": 2 * half}
+    assert work(10, 32, 128, mx.float16, group=4, isa="avx512bf16") == {"fma32": 2 * half}
+    assert work(10, 32, 128, mx.float16, group=4, bits=8, isa="avx512bf16") == {"int16_dot": half, "fma32": half}
+    # Items of many rows dequantize blocks (16 at 8 bits, 8 at 4) and run the float kernels.
+    assert work(10, 32, 128, mx.float16, rows=4, group=4, bits=8, isa="avx512bf16") == {"fma32": 2 * half * 4}
+    assert work(10, 32, 128, mx.float16, rows=2, group=4, bits=4, isa="avx512bf16") == {"fma32": 2 * half * 2}
+    assert work(10, 32, 128, mx.float32, group=4, bits=8, isa="avx512bf16") == {"fma32": 2 * half}
+    assert work(10, 32, 128, mx.float16, rows=3, group=4, isa="amx") == {"amx_bf16": 2 * half * 3}
+    assert work(10, 32, 128, mx.float16, rows=2, group=4, isa="amx") == {"fma32": 2 * half * 2}
+    assert sum(work(7, 16, 64, mx.bfloat16, rows=2, group=1).values()) == common.decode_multiply_adds(7, 16, 64, 2)
 
 
 @pytest.mark.parametrize("unit, width", [("sse9", ""), ("fma32", "sse9"), ("bf16_dot", "avx2")])

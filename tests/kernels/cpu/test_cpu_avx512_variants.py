@@ -112,3 +112,51 @@ def test_float16_scores_accumulate_in_float32(isa):
     expected = np.float16(1 / (1 + np.exp(-(2.0**-6))))
     assert expected == np.float16(0.50390625)
     assert np.all(got == expected), got[0, :, 0, :4]
+
+
+@pytest.mark.parametrize("isa", _ext.cpu_isas())
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_bfloat16_weights_within_their_rounding(isa, D):
+    """Where bfloat16 values are weighted with the bfloat16 dot product (avx512bf16), each weight
+    is rounded to bfloat16 (2^-9 relative) and the softmax sums the rounded weights: two keys of
+    values 0 and 1 give p1 / (p0 + p1) within 2^-8 relative, before the output's own rounding."""
+    q = mx.ones((1, 1, 1, D), mx.bfloat16)
+    k = np.zeros((1, 1, 2, D), np.float32)
+    k[0, 0, 1, 0] = 0.3  # exp(0.3) has no exact bfloat16
+    v = np.zeros((1, 1, 2, D), np.float32)
+    v[0, 0, 1] = 1.0
+    previous = _forced(isa)
+    try:
+        out = _ext.batched_decode_attention(
+            q, mx.array(k).astype(mx.bfloat16), mx.array(v).astype(mx.bfloat16), mx.array([2]), scale=1.0
+        )
+        got = np.array(out.astype(mx.float32))[0, 0, 0]
+    finally:
+        _ext.set_cpu_isa(previous)
+    exact = 1 / (1 + np.exp(-0.3))
+    assert np.all(np.abs(got - exact) <= exact * (2.0**-8 + 2.0**-9)), got[:4]
+
+
+@pytest.mark.parametrize("isa", _ext.cpu_isas())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("length", [5, 33, 63])
+def test_inf_value_in_an_odd_last_key(isa, dtype, length):
+    """An infinite value at a row's last key, an odd count of keys into its block, makes that
+    column inf, as in float64: the bfloat16 dot product pairs such a key with zeros, never with
+    a copy of itself at weight 0 (0 x inf = NaN)."""
+    D = 128
+    rng = np.random.default_rng(length)
+    q = mx.array(rng.standard_normal((1, 4, 1, D)).astype(np.float32)).astype(dtype)
+    k = mx.array(rng.standard_normal((1, 1, 64, D)).astype(np.float32)).astype(dtype)
+    v = rng.standard_normal((1, 1, 64, D)).astype(np.float32)
+    v[0, 0, length - 1, 7] = np.inf
+    previous = _forced(isa)
+    try:
+        got = np.array(_ext.batched_decode_attention(q, k, mx.array(v).astype(dtype), mx.array([length]))
+                       .astype(mx.float32))
+    finally:
+        _ext.set_cpu_isa(previous)
+    expected = np.array(numpy_reference(q, k, mx.array(v).astype(dtype), [length]))
+    assert np.all(np.isposinf(got[0, :, 0, 7])) and np.all(np.isposinf(expected[0, :, 0, 7]))
+    finite = np.delete(got, 7, axis=-1)
+    assert np.isfinite(finite).all() and np.abs(finite - np.delete(expected, 7, axis=-1)).max() < TOLERANCE[dtype]
