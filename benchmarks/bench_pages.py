@@ -8,7 +8,7 @@ speed hits them alike. Each copy cycles through enough distinct K/V buffers that
 per timing are at least 3x the last-level cache (common.rotation_sets). Per row: GB/s of valid K/V
 bytes and fraction of the probe's GB/s on each kind of page, their ratio, and the fraction of
 K/V bytes that the operating system actually put on huge pages, and the two floors (memory and
-float32 FMA, common.Floors) with each page size's share of the roofline; with --small-probe, also the
+arithmetic, common.Floors) with each page size's share of the roofline; with --small-probe, also the
 probe on 4 KiB pages (does streaming itself care about the page size on this machine?). Rows are
 the kernel benchmark's shapes (bench_kernel.py), each timed result checked against the reference.
 Targets: huge pages >= 85% of the probe, 4 KiB >= 75%, none above 100%.
@@ -115,7 +115,7 @@ def main():
             ("small_gbs", "4 KiB GB/s", "{:.2f}"), ("small_frac_bw", "of probe", "{:.0%}"),
             ("huge_gbs", "huge GB/s", "{:.2f}"), ("huge_frac_bw", "of probe", "{:.0%}"),
             ("speedup", "huge / 4 KiB", "{:.2f}x"), ("mem_floor_ms", "mem floor", "{:.3f}"),
-            ("arith_floor_ms", "fma floor", "{:.3f}"), ("small_roofline", "4 KiB roofline", "{:.0%}"),
+            ("arith_floor_ms", "arith floor", "{:.3f}"), ("small_roofline", "4 KiB roofline", "{:.0%}"),
             ("huge_roofline", "huge roofline", "{:.0%}"), ("kv_on_huge_pages", "on huge", "{:.0%}"),
             ("rotated_x_llc", "x LLC", "{:.1f}"),
         ],
