@@ -28,6 +28,18 @@ def _forced(isa):
     return previous
 
 
+def _output_of(isa, q, k, v, lens, **options):
+    """float32 numpy output of batched_decode_attention on variant isa (forced, then restored);
+    k and v as float32 numpy arrays, cast to the queries' dtype."""
+    previous = _forced(isa)
+    try:
+        out = _ext.batched_decode_attention(
+            q, mx.array(k).astype(q.dtype), mx.array(v).astype(q.dtype), mx.array(lens), **options)
+        return np.array(out.astype(mx.float32))
+    finally:
+        _ext.set_cpu_isa(previous)
+
+
 @pytest.fixture(params=WIDE_VARIANTS)
 def wide_variant(request):
     previous = _forced(request.param)
@@ -101,14 +113,7 @@ def test_float16_scores_accumulate_in_float32(isa):
     k[0, 0, 1, 5] = 1 + 2.0**-6
     v = np.zeros((1, 1, 2, D), np.float32)
     v[0, 0, 1] = 1.0
-    previous = _forced(isa)
-    try:
-        out = _ext.batched_decode_attention(
-            q, mx.array(k).astype(mx.float16), mx.array(v).astype(mx.float16), mx.array([2]), scale=1.0
-        )
-        got = np.array(out.astype(mx.float32))
-    finally:
-        _ext.set_cpu_isa(previous)
+    got = _output_of(isa, q, k, v, [2], scale=1.0)
     expected = np.float16(1 / (1 + np.exp(-(2.0**-6))))
     assert expected == np.float16(0.50390625)
     assert np.all(got == expected), got[0, :, 0, :4]
@@ -125,14 +130,7 @@ def test_bfloat16_weights_within_their_rounding(isa, D):
     k[0, 0, 1, 0] = 0.3  # exp(0.3) has no exact bfloat16
     v = np.zeros((1, 1, 2, D), np.float32)
     v[0, 0, 1] = 1.0
-    previous = _forced(isa)
-    try:
-        out = _ext.batched_decode_attention(
-            q, mx.array(k).astype(mx.bfloat16), mx.array(v).astype(mx.bfloat16), mx.array([2]), scale=1.0
-        )
-        got = np.array(out.astype(mx.float32))[0, 0, 0]
-    finally:
-        _ext.set_cpu_isa(previous)
+    got = _output_of(isa, q, k, v, [2], scale=1.0)[0, 0, 0]
     exact = 1 / (1 + np.exp(-0.3))
     assert np.all(np.abs(got - exact) <= exact * (2.0**-8 + 2.0**-9)), got[:4]
 
@@ -147,16 +145,11 @@ def test_inf_value_in_an_odd_last_key(isa, dtype, length):
     D = 128
     rng = np.random.default_rng(length)
     q = mx.array(rng.standard_normal((1, 4, 1, D)).astype(np.float32)).astype(dtype)
-    k = mx.array(rng.standard_normal((1, 1, 64, D)).astype(np.float32)).astype(dtype)
+    k = rng.standard_normal((1, 1, 64, D)).astype(np.float32)
     v = rng.standard_normal((1, 1, 64, D)).astype(np.float32)
     v[0, 0, length - 1, 7] = np.inf
-    previous = _forced(isa)
-    try:
-        got = np.array(_ext.batched_decode_attention(q, k, mx.array(v).astype(dtype), mx.array([length]))
-                       .astype(mx.float32))
-    finally:
-        _ext.set_cpu_isa(previous)
-    expected = np.array(numpy_reference(q, k, mx.array(v).astype(dtype), [length]))
+    got = _output_of(isa, q, k, v, [length])
+    expected = np.array(numpy_reference(q, mx.array(k).astype(dtype), mx.array(v).astype(dtype), [length]))
     assert np.all(np.isposinf(got[0, :, 0, 7])) and np.all(np.isposinf(expected[0, :, 0, 7]))
     finite = np.delete(got, 7, axis=-1)
     assert np.isfinite(finite).all() and np.abs(finite - np.delete(expected, 7, axis=-1)).max() < TOLERANCE[dtype]
