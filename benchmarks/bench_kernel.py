@@ -25,9 +25,10 @@ the same turns, for comparison only. The two floors (common.Floors) come from
 the same turns: "mem floor" is the valid bytes over the read probe's rate,
 "arith floor" the call's 2 x H_q x D multiply-adds per key over the peak of
 the instruction the kernel variant computes them with (common.decode_work:
-float32 FMAs on its vectors, or the AVX512_BF16 dot product for bfloat16), "of roofline" the larger over the time. With --rounds N every row is measured N
-times, on fresh buffers, the rounds spread over the run; each figure is the
-median of its N values (peers: first round).
+float32 FMAs on its vectors, or the AVX512_BF16 dot product for bfloat16),
+"of roofline" the larger over the time. With --rounds N every row is
+measured N times, on fresh buffers, the rounds spread over the run; each
+figure is the median of its N values (peers: first round).
 
     python benchmarks/bench_kernel.py --quick    # Llama-3-8B heads, B=8 512-2048, 3 dtypes (under a minute)
     python benchmarks/bench_kernel.py --quick --softcap 50    # the same with Gemma 2's softcap (no peers)

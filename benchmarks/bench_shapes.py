@@ -19,8 +19,8 @@ the median of --rounds rounds):
 
 GB/s counts the K/V bytes each call reads (the keys its rows attend); the memory floor is those
 bytes over the read probe's rate, the arithmetic floor the call's 2 x H_q x L x D multiply-adds per
-key read over the peak of the instruction computing them, "of roofline" the larger over the time. Every timed output is checked
-against reference_attention.
+key read over the peak of the instruction computing them, "of roofline" the larger over the time.
+Every timed output is checked against reference_attention.
 
     python benchmarks/bench_shapes.py              # every group, 3 rounds (about 6 minutes)
     python benchmarks/bench_shapes.py --rounds 1   # one round
