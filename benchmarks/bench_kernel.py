@@ -48,7 +48,7 @@ import mlx_batched_decode as mbd
 from mlx_batched_decode import _ext
 
 from common import (
-    Floors, NumpyReadBandwidth, decode_multiply_adds, decode_work, describe_machine, llc_bytes, machine, median_seconds,
+    Floors, NumpyReadBandwidth, decode_work, describe_machine, llc_bytes, machine, median_seconds,
     print_table, rotation_sets, save,
 )
 
@@ -110,7 +110,6 @@ class Case:
         self.scale = 1.0 / math.sqrt(D)
         self.row = {
             "heads": heads, "B": B, "lengths": kind, "dtype": dtype_name, "T": T, "valid_bytes": valid_bytes,
-            "multiply_adds": decode_multiply_adds(int(self.lens_np.sum()), H_q, D),
             "work": decode_work(int(self.lens_np.sum()), H_q, D, dtype, group=H_q // H_kv),
             "layers": layers, "bytes_rotated": valid_bytes * layers, "llc_bytes": llc_bytes(),
             "rotated_x_llc": valid_bytes * layers / llc_bytes(),

@@ -63,7 +63,7 @@ class Call:
         self.q = mx.random.normal((B, H_Q, L, D)).astype(dtype)
         mx.eval(self.q)
         self.bytes = read_keys * H_KV * D * 2 * self.q.itemsize  # per layer
-        self.multiply_adds = decode_work(read_keys, H_Q, D, dtype, rows=L, group=H_Q // H_KV)
+        self.work = decode_work(read_keys, H_Q, D, dtype, rows=L, group=H_Q // H_KV)
         self.rotated = sum(k.nbytes + v.nbytes for k, v in kv)
 
     def outputs(self):
@@ -89,7 +89,7 @@ def timed(calls, floors, dtype_name):
     for call, s in zip(calls, seconds):
         t = s / len(call.kv)
         gbs = call.bytes / t / 1e9
-        row = dict(call=call.name, ms=t * 1e3, gbs=gbs, **floors.columns(t, call.bytes, call.multiply_adds))
+        row = dict(call=call.name, ms=t * 1e3, gbs=gbs, **floors.columns(t, call.bytes, call.work))
         rows.append(row | dict(frac_bw=gbs / row["bw_gbs"], max_err=call.check(dtype_name), layers=len(call.kv),
                                bytes_rotated=call.rotated, llc_bytes=llc_bytes(), rotated_x_llc=call.rotated / llc_bytes()))
     return rows

@@ -9,6 +9,7 @@ import pathlib
 import platform
 import threading
 
+import mlx.core as mx
 import numpy as np
 
 from mlx_batched_decode import _ext
@@ -51,10 +52,8 @@ def decode_work(keys, heads_q, head_dim, dtype, rows=1, group=1, bits=None, isa=
     (group x rows) on `amx_bf16`; quantized keys (`bits`) with 16-bit queries scored on
     `int16_dot` (vpdpwssd) in the AVX-512 variants below the rows that dequantize blocks (16 at 8
     bits, 8 at 4); everything else on float32 FMAs (`fma32`). dtype: the queries' (an mx dtype)."""
-    import mlx.core as mx
-
     isa = isa or _ext.cpu_isa()
-    half = keys * heads_q * rows * head_dim
+    half = decode_multiply_adds(keys, heads_q, head_dim, rows) // 2
     item_rows = group * rows
     sixteen_bit = dtype in (mx.float16, mx.bfloat16)
     scores = values = "fma32"

@@ -111,32 +111,20 @@ __attribute__((target("avx512f,avx512bf16"))) uint64_t bf16_dot() {
   return fold(reinterpret_cast<const float*>(acc), sizeof(acc) / sizeof(float));
 }
 
-// int16 1 x int16 1 in every word: each vpdpwssd adds 2 to a lane (the
-// quantized kernels' scores on 16-bit queries, quantized_tiles.h).
-__attribute__((target("avx512f,avx512vnni"))) uint64_t int16_dot() {
+// AVX512-VNNI's integer dot products on ones. Words: int16 1 x int16 1 in
+// every word, each vpdpwssd adding 2 to a lane (the quantized kernels' scores
+// on 16-bit queries, quantized_tiles.h); else uint8 1 x int8 1 in every byte,
+// each vpdpbusd adding 4.
+template <bool Words>
+__attribute__((target("avx512f,avx512vnni"))) uint64_t integer_dot() {
   __m512i acc[kWideChains];
   for (auto& x : acc) {
     x = _mm512_setzero_si512();
   }
-  const __m512i a = _mm512_set1_epi16(1);
+  const __m512i a = Words ? _mm512_set1_epi16(1) : _mm512_set1_epi8(1);
   for (int i = 0; i < kDotIters; ++i) {
     for (auto& x : acc) {
-      x = _mm512_dpwssd_epi32(x, a, a);
-    }
-  }
-  return fold(reinterpret_cast<const int32_t*>(acc), sizeof(acc) / sizeof(int32_t));
-}
-
-// uint8 1 x int8 1 in every byte: each vpdpbusd adds 4 to a lane.
-__attribute__((target("avx512f,avx512vnni"))) uint64_t int8_dot() {
-  __m512i acc[kWideChains];
-  for (auto& x : acc) {
-    x = _mm512_setzero_si512();
-  }
-  const __m512i a = _mm512_set1_epi8(1);
-  for (int i = 0; i < kDotIters; ++i) {
-    for (auto& x : acc) {
-      x = _mm512_dpbusd_epi32(x, a, a);
+      x = Words ? _mm512_dpwssd_epi32(x, a, a) : _mm512_dpbusd_epi32(x, a, a);
     }
   }
   return fold(reinterpret_cast<const int32_t*>(acc), sizeof(acc) / sizeof(int32_t));
@@ -219,7 +207,7 @@ bool has_avx512() {
 bool has_bf16_dot() {
   return has_avx512() && __builtin_cpu_supports("avx512bf16");
 }
-bool has_int8_dot() {
+bool has_avx512_vnni() {
   return has_avx512() && __builtin_cpu_supports("avx512vnni");
 }
 bool has_amx_bf16() {
@@ -239,8 +227,8 @@ constexpr Unit kUnits[] = {
     {"fma32", "baseline", fma_baseline, uint64_t{kFmaIters} * kNarrowChains * 4, always},
 #if defined(__x86_64__) || defined(_M_X64)
     {"bf16_dot", "", bf16_dot, uint64_t{kDotIters} * kWideChains * 16 * 2, has_bf16_dot},
-    {"int16_dot", "", int16_dot, uint64_t{kDotIters} * kWideChains * 16 * 2, has_int8_dot},
-    {"int8_dot", "", int8_dot, uint64_t{kDotIters} * kWideChains * 16 * 4, has_int8_dot},
+    {"int16_dot", "", integer_dot<true>, uint64_t{kDotIters} * kWideChains * 16 * 2, has_avx512_vnni},
+    {"int8_dot", "", integer_dot<false>, uint64_t{kDotIters} * kWideChains * 16 * 4, has_avx512_vnni},
     {"amx_bf16", "", tile_products<false>, uint64_t{kTileIters} * 4 * 16 * 16 * 32, has_amx_bf16},
     {"amx_int8", "", tile_products<true>, uint64_t{kTileIters} * 4 * 16 * 16 * 64, has_amx_int8},
 #endif

@@ -47,10 +47,11 @@ template <typename T>
 constexpr bool kBf16Dot = false;
 #endif
 
-// Values weighted with the same dot product (accumulate_pairs): bfloat16 rows
-// of a fast head dim that is a multiple of 32, in unmasked blocks. Their
-// weights are rounded to bfloat16 (relative error <= 2^-9 each, as
-// FlashAttention rounds P for P.V) and the softmax sums the rounded weights.
+// Values weighted with the same dot product (accumulate_pairs, unmasked
+// blocks): bfloat16 rows of a fast head dim that is a multiple of 32. Every
+// block's weights, masked ones too, are rounded to bfloat16 (relative error <=
+// 2^-9 each, as FlashAttention rounds P for P.V), and the softmax sums the
+// rounded weights.
 template <typename T, int D, int Bits>
 constexpr bool kPairValues = kBf16Dot<T> && Bits == 0 && D != 0 && D % 32 == 0;
 
