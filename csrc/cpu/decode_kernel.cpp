@@ -764,7 +764,7 @@ void score_quantized_block(const DecodeArgs& a, const float* qs, int b, int h, i
         }
       });
     }
-    integer_scores(sums, qscale, qsum, scales, biases, a.rows(), groups, kBlock, n, scores);
+    integer_scores<Bits>(sums, qscale, qsum, scales, biases, a.rows(), groups, kBlock, n, scores);
     return;
   }
 #endif

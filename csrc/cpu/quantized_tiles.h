@@ -6,14 +6,18 @@
 // query rows: decode_kernel.cpp's dequantize_block).
 //
 // Generic vector code: with 8 lanes where AVX-512 is missing, else 16; and
-// with AVX2 or AVX512-VNNI, scores of 16-bit queries on int16 words
-// (dot_rows_integer).
+// with AVX2, AVX512-VNNI or arm64's dot product (sdot), scores of 16-bit
+// queries on int16 words (dot_rows_integer).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__ARM_FEATURE_DOTPROD)
+#include <arm_neon.h>
+#endif
 
 #include "cpu/tiles.h"
 #include "cpu/vector_math.h"
@@ -169,29 +173,42 @@ inline void dot_rows_quantized(
   }
 }
 
-#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVX2__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVX2__) || defined(__ARM_FEATURE_DOTPROD)
 // Scores of 16-bit queries on the keys' integers: each query group as int16
-// words with a scale of its own (query_words), keys widened to int16, and the
-// products summed exactly in int32 over the group (AVX512-VNNI's vpdpwssd on
-// 32 words, or AVX2's vpmaddwd and vpaddd on 16: the same integers). Exact
-// enough: a query element is off by at most half its group's step,
-// max |q_g| / 65534 (below float16's own rounding for elements above
-// max |q_g| / 16), so |score error| <= sum_g max |q_g| / 65534 * |s_g| *
-// sum_{e in g} w_e; a key element's own quantization step is
+// words with a scale of its own (query_words), and the products summed
+// exactly in int32 over the group: AVX512-VNNI's vpdpwssd on 32 words of
+// keys widened to int16, AVX2's vpmaddwd and vpaddd on 16 (the same
+// integers), or on arm64 sdot on 16 bytes of keys, twice: once with the
+// words' high bytes, once with their low ones (sdot multiplies signed bytes,
+// so 8-bit keys are centred, w - 128; integer_scores adds the 128 back).
+// Exact enough: a query element is off by at most half its group's step,
+// max |q_g| / (2 kWordPeak) (below float16's own rounding for elements above
+// max |q_g| / 16), so |score error| <= sum_g max |q_g| / (2 kWordPeak) *
+// |s_g| * sum_{e in g} |w_e|; a key element's own quantization step is
 // max |k_g - b_g| / 255 (8-bit) or / 15. float32 queries keep the float32
 // loops: that bound is above their rounding.
 #define MBD_INTEGER_SCORES 1
 inline constexpr bool kIntegerScores = true;
 
-// The width's primitives on int16 words: wzero; wload, one load of words
-// pinned in a register for the tile's keys (see in_register); wdot, acc plus
-// the products of k's and q's words summed in pairs into int32 lanes;
-// wreduce, the sum of a vector's lanes; widen_words, elements i .. i +
+// The width's primitives: wacc, the int32 sums of a tile's (query row, key)
+// pairs; wquery, one chunk of a query row's words; wkey, one chunk of a key's
+// integers. wzero; wload, a chunk of words pinned in a register for the
+// tile's keys (see in_register); wdot, acc plus the chunk's products;
+// wreduce, the sum of an accumulator; pack_words, a chunk of words stored as
+// wload reads it (in place); widen_words, elements i .. i +
 // kWordLanes - 1 (i a multiple of kWordLanes) of a row of Bits-wide integers
-// as int16 words in word_position order; reduce_8, out[i] = the sum of v[i]'s
-// lanes for i < 8, cheaper than 8 wreduce.
+// in word_position order; reduce_8, out[i] = wreduce(v[i]) for i < 8, cheaper
+// than 8 wreduce. kWordLanes: elements per chunk; every group size (32, 64,
+// 128) is a multiple. kWordPeak: the largest word. kSignedKeys: whether
+// widen_words gives signed bytes (8-bit keys centred).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 typedef __m512i wvec;
+using wacc = wvec;
+using wquery = wvec;
+using wkey = wvec;
+inline constexpr int kWordLanes = 32;
+inline constexpr float kWordPeak = 32767.0f;
+inline constexpr bool kSignedKeys = false;
 
 inline wvec wzero() {
   return _mm512_setzero_si512();
@@ -202,6 +219,8 @@ inline wvec wload(const int16_t* p) {
   asm("" : "+v"(v));
   return v;
 }
+
+inline void pack_words(int16_t*) {}
 
 inline wvec wdot(wvec acc, wvec k, wvec q) {
   return _mm512_dpwssd_epi32(acc, k, q);
@@ -249,8 +268,14 @@ inline void reduce_8(const __m512i (&v)[8], int32_t* out) {
     out[4 + k] = sums[4 * k + 1];
   }
 }
-#else
+#elif defined(__AVX2__)
 typedef __m256i wvec;
+using wacc = wvec;
+using wquery = wvec;
+using wkey = wvec;
+inline constexpr int kWordLanes = 16;
+inline constexpr float kWordPeak = 32767.0f;
+inline constexpr bool kSignedKeys = false;
 
 inline wvec wzero() {
   return _mm256_setzero_si256();
@@ -261,6 +286,8 @@ inline wvec wload(const int16_t* p) {
   asm("" : "+x"(v));
   return v;
 }
+
+inline void pack_words(int16_t*) {}
 
 inline wvec wdot(wvec acc, wvec k, wvec q) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(k, q));
@@ -295,10 +322,80 @@ inline void reduce_8(const __m256i (&v)[8], int32_t* out) {
       _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), sums);
 }
+#else
+// A word w is 256 * hi + lo, hi = (w + 128) >> 8 and lo its low byte, both
+// signed bytes when |w| <= 32639; a chunk of 16 words is stored as their 16
+// high bytes, then their 16 low ones (query_words).
+struct wacc {
+  int32x4_t hi, lo;
+};
+struct wquery {
+  int8x16_t hi, lo;
+};
+using wkey = int8x16_t;
+inline constexpr int kWordLanes = 16;
+inline constexpr float kWordPeak = 32639.0f;
+inline constexpr bool kSignedKeys = true;
+
+inline wacc wzero() {
+  return {vdupq_n_s32(0), vdupq_n_s32(0)};
+}
+
+inline wquery wload(const int16_t* p) {
+  const int8_t* bytes = reinterpret_cast<const int8_t*>(p);
+  return {vld1q_s8(bytes), vld1q_s8(bytes + kWordLanes)};
+}
+
+inline void pack_words(int16_t* chunk) {
+  int8_t bytes[2 * kWordLanes];
+  for (int e = 0; e < kWordLanes; ++e) {
+    const int hi = (chunk[e] + 128) >> 8;
+    bytes[e] = static_cast<int8_t>(hi);
+    bytes[kWordLanes + e] = static_cast<int8_t>(chunk[e] - 256 * hi);
+  }
+  std::memcpy(chunk, bytes, sizeof(bytes));
+}
+
+inline wacc wdot(wacc acc, wkey k, wquery q) {
+  return {vdotq_s32(acc.hi, k, q.hi), vdotq_s32(acc.lo, k, q.lo)};
+}
+
+// The four lanes of 256 * hi + lo; no lane passes 2^29 (see dot_rows_integer).
+inline int32x4_t combine(wacc v) {
+  return vaddq_s32(vshlq_n_s32(v.hi, 8), v.lo);
+}
+
+inline int32_t wreduce(wacc v) {
+  return vaddvq_s32(combine(v));
+}
+
+template <int Bits>
+inline wkey widen_words(const uint32_t* row, int i) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row) + static_cast<unsigned>(i) * Bits / 8;
+  if constexpr (Bits == 8) {
+    return vreinterpretq_s8_u8(veorq_u8(vld1q_u8(bytes), vdupq_n_u8(0x80)));
+  } else {
+    // The 8 bytes' low nibbles, then their high ones.
+    const uint8x8_t x = vld1_u8(bytes);
+    return vreinterpretq_s8_u8(vcombine_u8(vand_u8(x, vdup_n_u8(15)), vshr_n_u8(x, 4)));
+  }
+}
+
+// 6 pairwise adds and 8 combines, where 8 wreduce take 16.
+inline void reduce_8(const wacc (&v)[8], int32_t* out) {
+  int32x4_t c[8];
+  for (int i = 0; i < 8; ++i) {
+    c[i] = combine(v[i]);
+  }
+  vst1q_s32(out, vpaddq_s32(vpaddq_s32(c[0], c[1]), vpaddq_s32(c[2], c[3])));
+  vst1q_s32(out + 4, vpaddq_s32(vpaddq_s32(c[4], c[5]), vpaddq_s32(c[6], c[7])));
+}
 #endif
 
-// Elements per int16 register; every group size (32, 64, 128) is a multiple.
-inline constexpr int kWordLanes = sizeof(wvec) / sizeof(int16_t);
+// What widen_words takes off each 8-bit integer: 128 where the keys are read
+// as signed bytes (kSignedKeys: sdot), else 0.
+template <int Bits>
+inline constexpr int kKeyCentre = Bits == 8 && kSignedKeys ? 128 : 0;
 
 // Where element e of a row sits among the int16 words of its kWordLanes-element
 // chunk: in order for 8-bit keys; for 4-bit keys, the low nibbles of the
@@ -310,7 +407,8 @@ constexpr int word_position(int e) {
 }
 
 // One group of a scaled float32 query row, q [group_size], as int16 words in
-// word_position order; returns the group's scale (q ~ scale * words). A group
+// word_position order, each chunk packed (pack_words); returns the group's
+// scale (q ~ scale * words). A group
 // of zeros has scale 0; a non-finite element gives a NaN scale, so that the
 // scores are NaN as the float32 loops' would be.
 template <int Bits>
@@ -324,18 +422,21 @@ inline float query_words(const float* q, int group_size, int16_t* words) {
     std::fill(words, words + group_size, int16_t{0});
     return NAN;
   }
-  const float to_words = peak > 0.0f ? 32767.0f / peak : 0.0f;
+  const float to_words = peak > 0.0f ? kWordPeak / peak : 0.0f;
   for (int e = 0; e < group_size; ++e) {
-    // |q[e] * to_words| <= 32767 up to rounding: the clamp keeps it in int16.
-    const float word = std::clamp(std::nearbyint(q[e] * to_words), -32767.0f, 32767.0f);
+    // |q[e] * to_words| <= kWordPeak up to rounding: the clamp keeps it there.
+    const float word = std::clamp(std::nearbyint(q[e] * to_words), -kWordPeak, kWordPeak);
     words[word_position<Bits>(e)] = static_cast<int16_t>(word);
   }
-  return peak / 32767.0f;
+  for (int c = 0; c < group_size; c += kWordLanes) {
+    pack_words(words + c);
+  }
+  return peak / kWordPeak;
 }
 
 // The integer dot products of a tile of H query rows, as int16 words qw
 // [H, Dn] (query_words), with C key rows per group: sums[(h * groups + g) *
-// sums_stride + c] = dot(qw_hg, w_cg), exact. The caller applies the scales
+// sums_stride + c] = dot(qw_hg, w_cg - kKeyCentre), exact. The caller applies the scales
 // once per block, 16 keys at a time (integer_scores).
 template <int Bits, int D, int H, int C>
 inline void dot_rows_integer(
@@ -348,20 +449,20 @@ inline void dot_rows_integer(
   const int Dn = D ? D : dim;
   const int groups = Dn / group_size;
   for (int g = 0; g < groups; ++g) {
-    wvec s[H][C];
+    wacc s[H][C];
     for (int h = 0; h < H; ++h) {
       for (int c = 0; c < C; ++c) {
         s[h][c] = wzero();
       }
     }
-    // At most 2 x 128 / kWordLanes products of at most 255 * 32767 per lane: no int32 overflow.
+    // No int32 overflow: a whole group's sum is at most 128 * 255 * 32767 < 2^30.
     for (int i = g * group_size; i < (g + 1) * group_size; i += kWordLanes) {
-      wvec k[C];
+      wkey k[C];
       for (int c = 0; c < C; ++c) {
         k[c] = widen_words<Bits>(rows[c], i);
       }
       for (int h = 0; h < H; ++h) {
-        const wvec qh = wload(qw + h * Dn + i);
+        const wquery qh = wload(qw + h * Dn + i);
         for (int c = 0; c < C; ++c) {
           s[h][c] = wdot(s[h][c], k[c], qh);
         }
@@ -369,7 +470,7 @@ inline void dot_rows_integer(
     }
     int32_t out[H][C];
     if constexpr (H * C == 8) {
-      reduce_8(reinterpret_cast<const wvec(&)[8]>(s), &out[0][0]);
+      reduce_8(reinterpret_cast<const wacc(&)[8]>(s), &out[0][0]);
     } else {
       for (int h = 0; h < H; ++h) {
         for (int c = 0; c < C; ++c) {
@@ -387,8 +488,9 @@ inline void dot_rows_integer(
 
 // Scores of R query rows from their integer dot products sums [R, groups,
 // block] (dot_rows_integer) for keys j < n: scores[r * block + j] = sum over
-// groups g of scales[g][j] * qscale[r][g] * sums[r][g][j] + biases[g][j] *
-// qsum[r][g], scales and biases [groups, block].
+// groups g of scales[g][j] * qscale[r][g] * sums[r][g][j] + (biases[g][j] +
+// kKeyCentre * scales[g][j]) * qsum[r][g], scales and biases [groups, block].
+template <int Bits>
 inline void integer_scores(const int32_t* sums, const float* qscale, const float* qsum, const float* scales,
                            const float* biases, int R, int groups, int block, int n, float* scores) {
   for (int r = 0; r < R; ++r) {
@@ -404,7 +506,12 @@ inline void integer_scores(const int32_t* sums, const float* qscale, const float
       const float* bg = biases + g * block;
 #pragma omp simd
       for (int j = 0; j < n; ++j) {
-        out[j] += static_cast<float>(sg[j]) * (kg[j] * qs) + bg[j] * qb;
+        float bias = bg[j];
+        if constexpr (kKeyCentre<Bits> != 0) {
+          // A centred key element is s * (w - 128) + (b + 128 s).
+          bias += kKeyCentre<Bits> * kg[j];
+        }
+        out[j] += static_cast<float>(sg[j]) * (kg[j] * qs) + bias * qb;
       }
     }
   }
