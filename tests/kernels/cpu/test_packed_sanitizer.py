@@ -11,7 +11,8 @@ keys) must each be caught.
 
 import pytest
 
-from tests.support.cpu_asan import REPO, assert_clean, build_driver, require_toolchain, run_driver
+from tests.support.cpu_asan import assert_clean, build_driver, require_toolchain, run_driver
+from tests.support.repo import REPO
 
 
 def mutant(path, old, new):

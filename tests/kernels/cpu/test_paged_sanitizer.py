@@ -8,7 +8,8 @@ compares each output with a float64 reference (tests/support/cpu_asan.py builds 
 tests/kernels/cpu/test_sanitizers.py also runs the paged op's Python tests on the sanitized extension.
 """
 
-from tests.support.cpu_asan import REPO, assert_clean, build_driver, require_toolchain, run_driver
+from tests.support.cpu_asan import assert_clean, build_driver, require_toolchain, run_driver
+from tests.support.repo import REPO
 
 
 def test_paged_kernel_on_adversarial_tables_is_clean():

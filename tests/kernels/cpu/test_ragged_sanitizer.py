@@ -8,7 +8,8 @@ reference; tests/kernels/cpu/test_sanitizers.py also runs the op's Python tests 
 extension.
 """
 
-from tests.support.cpu_asan import REPO, assert_clean, build_driver, require_toolchain, run_driver
+from tests.support.cpu_asan import assert_clean, build_driver, require_toolchain, run_driver
+from tests.support.repo import REPO
 
 
 def test_ragged_kernel_on_adversarial_lengths_is_clean():

@@ -9,7 +9,8 @@ of the offset, and the cut of a request's keys where the ring wraps.
 
 import pytest
 
-from tests.support.cpu_asan import REPO, assert_clean, build_driver, require_toolchain, run_driver
+from tests.support.cpu_asan import assert_clean, build_driver, require_toolchain, run_driver
+from tests.support.repo import REPO
 
 MUTANTS = {
     "no modulo": ("cpu/decode_args.h", "const int64_t r = ring_offsets[b * ring_stride] % T;",
