@@ -71,9 +71,11 @@ def decode_work(keys, heads_q, head_dim, dtype, rows=1, group=1, bits=None, isa=
     return work
 
 
-# The units each CPU kernel variant computes on (decode_work), fma32 first.
+# The units each CPU kernel variant computes on (decode_work), fma32 first. AVX2's and AVX-VNNI's
+# 8-lane integer dot products are counted as fma32 (the probe has no 256-bit one).
 KERNEL_UNITS = {
-    "baseline": ("fma32",), "avx2": ("fma32",), "avx512bf16": ("fma32", "bf16_dot", "int16_dot"),
+    "baseline": ("fma32",), "avx2": ("fma32",), "avxvnni": ("fma32",),
+    "avx512bf16": ("fma32", "bf16_dot", "int16_dot"),
     "avx512fp16": ("fma32", "int16_dot"), "amx": ("fma32", "int16_dot", "amx_bf16"),
 }
 
@@ -155,8 +157,8 @@ class NumpyReadBandwidth:
 
 # The /proc/cpuinfo flags the CPU kernel's variants and the probe choose between.
 KERNEL_FLAGS = (
-    "avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-    "amx_fp16",
+    "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512vl", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_tile",
+    "amx_bf16", "amx_fp16",
 )
 
 

@@ -464,9 +464,12 @@ Returns:
         "Number of paged work items the CPU kernel has run that read shared blocks once for "
         "several requests in this process.");
   m.def("cpu_isa", &mbd::cpu::current_isa,
-        "Instruction-set variant of the CPU kernel in use: 'baseline', 'avx2', 'avx512bf16', 'avx512fp16' or 'amx'.");
+        "Instruction-set variant of the CPU kernel in use: 'baseline', 'avx2', 'avxvnni', 'avx512bf16', "
+        "'avx512fp16' or 'amx'.");
   m.def("cpu_isas", &mbd::cpu::available_isas,
         "CPU kernel variants this build has and this CPU supports, best last.");
+  m.def("built_cpu_isas", &mbd::cpu::built_isas,
+        "CPU kernel variants this build has, whether this CPU supports them or not, best last.");
   m.def("set_cpu_isa", &mbd::cpu::set_isa, "name"_a,
         "Selects the CPU kernel variant (for tests and benchmarks); ValueError "
         "if it is not available.");

@@ -1,6 +1,7 @@
 #include "cpu/isa.h"
 
 #include <atomic>
+#include <iterator>
 #include <stdexcept>
 
 #if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
@@ -16,11 +17,42 @@ namespace {
 
 // Variants from worst to best; a variant is available when it was compiled
 // in (MBD_HAS_<ISA>) and the CPU (and OS, for AVX-512 state) supports it.
-enum class Isa { baseline, avx2, avx512bf16, avx512fp16, amx };
-constexpr Isa kIsas[] = {Isa::baseline, Isa::avx2, Isa::avx512bf16, Isa::avx512fp16, Isa::amx};
+enum class Isa { baseline, avx2, avxvnni, avx512bf16, avx512fp16, amx };
+constexpr Isa kIsas[] = {Isa::baseline, Isa::avx2, Isa::avxvnni, Isa::avx512bf16, Isa::avx512fp16, Isa::amx};
 
 // Indexed by Isa.
-constexpr const char* kIsaNames[] = {"baseline", "avx2", "avx512bf16", "avx512fp16", "amx"};
+constexpr const char* kIsaNames[] = {"baseline", "avx2", "avxvnni", "avx512bf16", "avx512fp16", "amx"};
+
+// Indexed by Isa: whether the variant was compiled in (MBD_HAS_<ISA>), whatever the CPU.
+constexpr bool kBuilt[] = {
+    true,
+#if defined(MBD_HAS_AVX2)
+    true,
+#else
+    false,
+#endif
+#if defined(MBD_HAS_AVXVNNI)
+    true,
+#else
+    false,
+#endif
+#if defined(MBD_HAS_AVX512BF16)
+    true,
+#else
+    false,
+#endif
+#if defined(MBD_HAS_AVX512FP16)
+    true,
+#else
+    false,
+#endif
+#if defined(MBD_HAS_AMX)
+    true,
+#else
+    false,
+#endif
+};
+static_assert(std::size(kBuilt) == std::size(kIsas));
 
 const char* isa_name(Isa isa) {
   return kIsaNames[static_cast<int>(isa)];
@@ -37,6 +69,12 @@ bool supported(Isa isa) {
     case Isa::avx2:
 #if defined(MBD_HAS_AVX2) && (defined(__x86_64__) || defined(_M_X64))
       return avx2;
+#else
+      return false;
+#endif
+    case Isa::avxvnni:
+#if defined(MBD_HAS_AVX2) && defined(MBD_HAS_AVXVNNI) && (defined(__x86_64__) || defined(_M_X64))
+      return avx2 && __builtin_cpu_supports("avxvnni");
 #else
       return false;
 #endif
@@ -94,6 +132,16 @@ bool amx_permitted() {
 #endif
 }
 
+std::vector<std::string> built_isas() {
+  std::vector<std::string> names;
+  for (Isa isa : kIsas) {
+    if (kBuilt[static_cast<int>(isa)]) {
+      names.push_back(isa_name(isa));
+    }
+  }
+  return names;
+}
+
 std::vector<std::string> available_isas() {
   std::vector<std::string> names;
   for (Isa isa : kIsas) {
@@ -138,6 +186,8 @@ KernelFns kernel_fns(Dtype dtype, int head_dim) {
       return avx512bf16::kernel_fns(dtype, head_dim);
 #endif
 #if defined(MBD_HAS_AVX2)
+    // The AVX-VNNI variant's dense kernels are AVX2's.
+    case Isa::avxvnni:
     case Isa::avx2:
       return avx2::kernel_fns(dtype, head_dim);
 #endif
@@ -153,6 +203,10 @@ KernelFns quantized_kernel_fns(Dtype dtype, int head_dim, int bits) {
     case Isa::avx512fp16:
     case Isa::avx512bf16:
       return avx512bf16::quantized_kernel_fns(dtype, head_dim, bits);
+#endif
+#if defined(MBD_HAS_AVXVNNI)
+    case Isa::avxvnni:
+      return avxvnni::quantized_kernel_fns(dtype, head_dim, bits);
 #endif
 #if defined(MBD_HAS_AVX2)
     case Isa::avx2:

@@ -12,6 +12,9 @@ namespace mlx_batched_decode::cpu {
 // once and says whether it was granted (the grant covers every thread).
 bool amx_permitted();
 
+// Variants compiled in, whatever the CPU, best last.
+std::vector<std::string> built_isas();
+
 // Variants compiled in and supported by this CPU, best last.
 std::vector<std::string> available_isas();
 

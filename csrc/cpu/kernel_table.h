@@ -40,6 +40,8 @@ MBD_DECLARE_CPU_VARIANT(baseline, true, true, true, true, false)
 MBD_DECLARE_CPU_VARIANT(baseline, true, true, true, true, true)
 #endif
 MBD_DECLARE_CPU_VARIANT(avx2, true, true, true, true)
+// AVX2 with AVX-VNNI: its quantized kernels only; the dense ones are AVX2's.
+MBD_DECLARE_CPU_VARIANT(avxvnni, false, false, false, true)
 // Its dense kernels run on 16 lanes (bfloat16 keys on the dot product); its
 // quantized kernels serve every AVX-512 variant: AVX-512VL's 32 registers let
 // a score tile read 4 packed keys instead of 2.

@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__ARM_FEATURE_DOTPROD)
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #include <arm_neon.h>
 #endif
 
@@ -173,12 +173,13 @@ inline void dot_rows_quantized(
   }
 }
 
-#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVX2__) || defined(__ARM_FEATURE_DOTPROD)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVX2__) || \
+    (defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD))
 // Scores of 16-bit queries on the keys' integers: each query group as int16
 // words with a scale of its own (query_words), and the products summed
 // exactly in int32 over the group: AVX512-VNNI's vpdpwssd on 32 words of
-// keys widened to int16, AVX2's vpmaddwd and vpaddd on 16 (the same
-// integers), or on arm64 sdot on 16 bytes of keys, twice: once with the
+// keys widened to int16, AVX2's vpmaddwd and vpaddd on 16 (AVX-VNNI's
+// vpdpwssd in one; the same integers), or on arm64 sdot on 16 bytes of keys, twice: once with the
 // words' high bytes, once with their low ones (sdot multiplies signed bytes,
 // so 8-bit keys are centred, w - 128; integer_scores adds the 128 back).
 // Exact enough: a query element is off by at most half its group's step,
@@ -290,7 +291,11 @@ inline wvec wload(const int16_t* p) {
 inline void pack_words(int16_t*) {}
 
 inline wvec wdot(wvec acc, wvec k, wvec q) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, k, q);
+#else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(k, q));
+#endif
 }
 
 inline int32_t wreduce(wvec v) {
@@ -323,9 +328,9 @@ inline void reduce_8(const __m256i (&v)[8], int32_t* out) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), sums);
 }
 #else
-// A word w is 256 * hi + lo, hi = (w + 128) >> 8 and lo its low byte, both
-// signed bytes when |w| <= 32639; a chunk of 16 words is stored as their 16
-// high bytes, then their 16 low ones (query_words).
+// A query word x is 256 * hi + lo, hi = (x + 128) >> 8 and lo its low byte,
+// both signed bytes when |x| <= 32639; a chunk of 16 words is stored as their
+// 16 high bytes, then their 16 low ones (pack_words).
 struct wacc {
   int32x4_t hi, lo;
 };
@@ -408,9 +413,9 @@ constexpr int word_position(int e) {
 
 // One group of a scaled float32 query row, q [group_size], as int16 words in
 // word_position order, each chunk packed (pack_words); returns the group's
-// scale (q ~ scale * words). A group
-// of zeros has scale 0; a non-finite element gives a NaN scale, so that the
-// scores are NaN as the float32 loops' would be.
+// scale (q ~ scale * words). A group of zeros has scale 0; a non-finite
+// element gives a NaN scale, so that the scores are NaN as the float32 loops'
+// would be.
 template <int Bits>
 inline float query_words(const float* q, int group_size, int16_t* words) {
   float peak = 0.0f;
@@ -436,8 +441,8 @@ inline float query_words(const float* q, int group_size, int16_t* words) {
 
 // The integer dot products of a tile of H query rows, as int16 words qw
 // [H, Dn] (query_words), with C key rows per group: sums[(h * groups + g) *
-// sums_stride + c] = dot(qw_hg, w_cg - kKeyCentre), exact. The caller applies the scales
-// once per block, 16 keys at a time (integer_scores).
+// sums_stride + c] = dot(qw_hg, w_cg - kKeyCentre), exact. The caller
+// applies the scales once per block, 16 keys at a time (integer_scores).
 template <int Bits, int D, int H, int C>
 inline void dot_rows_integer(
     const int16_t* qw,

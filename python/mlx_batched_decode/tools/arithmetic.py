@@ -14,8 +14,11 @@ import statistics
 from .. import _ext
 
 # The float32 vector width of each CPU kernel variant's arithmetic (csrc/cpu/lanes.h): 16 lanes
-# in every AVX-512 variant, 8 in the AVX2 one.
-KERNEL_FMA_WIDTH = {"baseline": "baseline", "avx2": "avx2", "avx512bf16": "avx512", "avx512fp16": "avx512", "amx": "avx512"}
+# in every AVX-512 variant, 8 in the AVX2 and AVX-VNNI ones.
+KERNEL_FMA_WIDTH = {
+    "baseline": "baseline", "avx2": "avx2", "avxvnni": "avx2", "avx512bf16": "avx512", "avx512fp16": "avx512",
+    "amx": "avx512",
+}
 
 
 def kernel_fma_width(isa: str | None = None) -> str:
