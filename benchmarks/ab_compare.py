@@ -18,6 +18,7 @@ Each run works in a fresh temporary copy of the scripts' folder, so the JSON it 
 (``results/*.json``) and no checkout's results are touched. Read from it, per row, are:
 
 - ``bench_decode.py``: ``tok_s`` and ``steady_tok_s`` of each (B, path) row (higher is better);
+- ``bench_kernel.py``: ``ms`` (lower is better) and ``frac_bw`` (higher) of each row;
 - ``bench_server.py``: ``largest_gap_s`` of the burst row, ``seconds``, ``ttft_p50_s`` and
   ``itl_p99_s`` of the trace row (lower is better);
 - any other script: every numeric field ending in ``tok_s`` (higher is better) or ``_s`` / ``_ms``
@@ -52,6 +53,9 @@ HERE = Path(__file__).resolve().parent
 # Per script: the fields naming a row, and the metrics that matter (+1: higher is better).
 METRICS = {
     "bench_decode.py": (("B", "path"), {"tok_s": +1, "steady_tok_s": +1}),
+    # The call's time, and its share of the read probe timed in the same turns (steadier on a
+    # shared machine, whose memory speed drifts between runs).
+    "bench_kernel.py": (("heads", "B", "lengths", "dtype"), {"ms": -1, "frac_bw": +1}),
     "bench_server.py": (
         ("server", "scenario"),
         {"largest_gap_s": -1, "seconds": -1, "ttft_p50_s": -1, "itl_p99_s": -1},
