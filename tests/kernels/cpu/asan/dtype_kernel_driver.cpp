@@ -80,9 +80,7 @@ int main() {
     fill(rng, dtype, size_t(B) * H_q * L, D, [](size_t) { return false; }, q, q16);
     fill(rng, dtype, size_t(B) * H_kv * T, D, past, k, k16);
     fill(rng, dtype, size_t(B) * H_kv * T, Dv, past, v, v16);
-    const size_t n_out = size_t(B) * H_q * L * Dv;
-    std::vector<float> out32(dtype == Dtype::float32 ? n_out : 0);
-    std::vector<uint16_t> out16(dtype == Dtype::float32 ? 0 : n_out);
+    DtypeArray out(dtype, size_t(B) * H_q * L * Dv);
 
     DecodeArgs a{};
     a.queries = data(dtype, q, q16);
@@ -91,7 +89,7 @@ int main() {
     a.valid_lens = lens.data();
     a.kv_starts = starts.data();
     a.sinks = has_sinks ? sinks.data() : nullptr;
-    a.out = dtype == Dtype::float32 ? static_cast<void*>(out32.data()) : out16.data();
+    a.out = out.data();
     a.dtype = dtype;
     a.B = B, a.H_q = H_q, a.H_kv = H_kv, a.G = G, a.L = L, a.T = T, a.D = D, a.Dp = padded_head_dim(D);
     a.Dv = Dv, a.Dvp = padded_head_dim(Dv);
@@ -124,7 +122,7 @@ int main() {
                 return std::pair<const float*, const float*>{k.data() + (head + t) * D, v.data() + (head + t) * Dv};
               }, a.softcap, sink);
           for (int e = 0; e < Dv; ++e) {
-            const double got = dtype == Dtype::float32 ? out32[row * Dv + e] : from_bits(out16[row * Dv + e], dtype);
+            const double got = out.at(row * Dv + e);
             ++checked;
             if (!(std::fabs(got - want[e]) <= tol * (1.0 + std::fabs(want[e])))) {
               if (failures++ < 5) {

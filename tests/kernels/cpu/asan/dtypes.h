@@ -3,7 +3,9 @@
 #pragma once
 
 #include <bit>
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "cpu/decode_args.h"
 
@@ -40,5 +42,22 @@ inline float rounded(float x, Dtype dtype) {
   const uint32_t u = std::bit_cast<uint32_t>(x);
   return std::bit_cast<float>((u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u);
 }
+
+// n elements of a dtype as the kernel writes them (float32 values or 16-bit
+// bits), read back as floats.
+struct DtypeArray {
+  Dtype dtype;
+  std::vector<float> f32;
+  std::vector<uint16_t> bits;
+
+  DtypeArray(Dtype dtype, size_t n)
+      : dtype(dtype), f32(dtype == Dtype::float32 ? n : 0), bits(dtype == Dtype::float32 ? 0 : n) {}
+  void* data() {
+    return dtype == Dtype::float32 ? static_cast<void*>(f32.data()) : bits.data();
+  }
+  float at(size_t i) const {
+    return dtype == Dtype::float32 ? f32[i] : from_bits(bits[i], dtype);
+  }
+};
 
 } // namespace driver_dtypes

@@ -123,9 +123,7 @@ int main() {
     for (size_t i = 0; i < q.size(); ++i) {
       q16[i] = dtype == Dtype::float32 ? 0 : to_bits(q[i], dtype);
     }
-    const size_t n_out = size_t(B) * H_q * L * Dv;
-    std::vector<float> out32(dtype == Dtype::float32 ? n_out : 0);
-    std::vector<uint16_t> out16(dtype == Dtype::float32 ? 0 : n_out);
+    DtypeArray out(dtype, size_t(B) * H_q * L * Dv);
 
     DecodeArgs a{};
     a.queries = dtype == Dtype::float32 ? static_cast<const void*>(q.data()) : q16.data();
@@ -133,7 +131,7 @@ int main() {
     a.values = v.words.data();
     a.valid_lens = lens.data();
     a.kv_starts = starts.data();
-    a.out = dtype == Dtype::float32 ? static_cast<void*>(out32.data()) : out16.data();
+    a.out = out.data();
     a.dtype = dtype;
     a.B = B, a.H_q = H_q, a.H_kv = H_kv, a.G = G, a.L = L, a.T = T, a.D = D, a.Dp = D;
     a.Dv = Dv, a.Dvp = Dv;
@@ -178,7 +176,7 @@ int main() {
                                                              v.rows.data() + (head + t) * Dv};
               }, a.softcap);
           for (int e = 0; e < Dv; ++e) {
-            const double got = dtype == Dtype::float32 ? out32[row * Dv + e] : from_bits(out16[row * Dv + e], dtype);
+            const double got = out.at(row * Dv + e);
             ++checked;
             if (!(std::fabs(got - want[e]) <= tol * (1.0 + std::fabs(want[e])))) {
               if (failures++ < 5) {
