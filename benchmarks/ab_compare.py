@@ -19,6 +19,8 @@ Each run works in a fresh temporary copy of the scripts' folder, so the JSON it 
 
 - ``bench_decode.py``: ``tok_s`` and ``steady_tok_s`` of each (B, path) row (higher is better);
 - ``bench_kernel.py``: ``ms`` (lower is better) and ``frac_bw`` (higher) of each row;
+- ``bench_quantized.py``: ``ms``, ``hot_ms`` (lower), ``frac_bw`` and ``vs_float16`` (higher, the
+  ratio to the float16 op timed in the same turns) of each row;
 - ``bench_server.py``: ``largest_gap_s`` of the burst row, ``seconds``, ``ttft_p50_s`` and
   ``itl_p99_s`` of the trace row (lower is better);
 - any other script: every numeric field ending in ``tok_s`` (higher is better) or ``_s`` / ``_ms``
@@ -56,6 +58,7 @@ METRICS = {
     # The call's time, and its share of the read probe timed in the same turns (steadier on a
     # shared machine, whose memory speed drifts between runs).
     "bench_kernel.py": (("heads", "B", "lengths", "dtype"), {"ms": -1, "frac_bw": +1}),
+    "bench_quantized.py": (("case", "kernel"), {"ms": -1, "hot_ms": -1, "frac_bw": +1, "vs_float16": +1}),
     "bench_server.py": (
         ("server", "scenario"),
         {"largest_gap_s": -1, "seconds": -1, "ttft_p50_s": -1, "itl_p99_s": -1},

@@ -546,10 +546,12 @@ inline constexpr bool kScoresOnIntegers = kIntegerScores && !std::is_same_v<T, f
 // biases, value scales, value biases; groups of the wider side, scratch_groups), the query rows' sums per group
 // [R, groups], for integer scores their int16 words [R, Dp] and scales
 // [R, groups] (query_words) and a block's integer dot products [R, groups,
-// kBlock] (dot_rows_integer), and per block each row's weights times the value
+// kBlock] (dot_rows_integer), with keys across the lanes 16 keys' words
+// transposed (transpose_rows), and per block each row's weights times the value
 // scales [R, groups, kBlock] and weighted value biases [R, groups].
 struct QuantizedScratch {
   LineVector<uint32_t> words;
+  LineVector<uint32_t> key_words;
   LineVector<float> rows;
   LineVector<float> sb;
   LineVector<float> qsum;
@@ -561,6 +563,7 @@ struct QuantizedScratch {
 
   void reserve(int R, int words_per_row, int groups, int Dp) {
     Scratch<float>::grow(words, static_cast<size_t>(kBlock) * words_per_row);
+    Scratch<float>::grow(key_words, static_cast<size_t>(16) * ((words_per_row + 15) / 16 * 16));
     Scratch<float>::grow(rows, static_cast<size_t>(kBlock) * Dp);
     Scratch<float>::grow(sb, static_cast<size_t>(4) * groups * kBlock);
     Scratch<float>::grow(qsum, static_cast<size_t>(R) * groups);
@@ -602,9 +605,10 @@ void widen_strided(const void* base, int64_t first, int64_t step, int n, float* 
 
 // The scales or biases of n keys from element `first` of base (strides st:
 // key, group) as float32 out [groups, kBlock], 0 past n. Keys whose groups
-// lie back to back (mx.quantize's layout) are widened 8 at a time, then
-// transposed (a conversion per element took 11% of the 8-bit kernel's
-// samples, this 5%), up to kMaxGroups groups: head dims to 512 at group size 32.
+// lie back to back (mx.quantize's layout) are widened 8 at a time (a
+// conversion per element took 11% of the 8-bit kernel's samples, this 5%),
+// then, for several groups, transposed: up to kMaxGroups groups, head dims
+// to 512 at group size 32.
 inline constexpr int kMaxGroups = 16;
 
 template <typename S>
@@ -613,16 +617,31 @@ void widen_groups(const void* base, int64_t first, const int64_t* st, int n, int
     const S* x = static_cast<const S*>(base) + first;
     const int count = n * groups;
     alignas(32) float wide[kBlock * kMaxGroups];
+    float* to = groups == 1 ? out : wide;
     int e = 0;
     for (; e + 8 <= count; e += 8) {
-      store8(wide + e, load8(x + e));
+      store8(to + e, load8(x + e));
     }
-    widen_strided<S>(x, e, 1, count - e, wide + e);
-    for (int g = 0; g < groups; ++g) {
+    widen_strided<S>(x, e, 1, count - e, to + e);
+#if defined(__AVX512F__)
+    // 16 keys' values of a group in one gather (the scalar loop took half of
+    // this function's time, 8-bit keys of two groups).
+    const __m512i keys = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(groups));
+    for (int g = 0; g < groups && groups > 1; ++g) {
+      for (int j = 0; j < n; j += 16) {
+        const __mmask16 live = static_cast<__mmask16>((1u << std::min(n - j, 16)) - 1);
+        const __m512i at = _mm512_add_epi32(keys, _mm512_set1_epi32(j * groups + g));
+        _mm512_storeu_ps(out + g * kBlock + j, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, at, wide, 4));
+      }
+    }
+#else
+    for (int g = 0; g < groups && groups > 1; ++g) {
       for (int j = 0; j < n; ++j) {
         out[g * kBlock + j] = wide[j * groups + g];
       }
     }
+#endif
   } else {
     for (int g = 0; g < groups; ++g) {
       widen_strided<S>(base, first + g * st[3], st[2], n, out + g * kBlock);
@@ -635,7 +654,7 @@ void widen_groups(const void* base, int64_t first, const int64_t* st, int n, int
 
 // Points rows at the packed rows [t, t + n) of (b, h) of the keys (side 0)
 // or values (side 1) and widens their scales and biases into s.sb; rows n to
-// the next multiple of 8 repeat row n - 1 (load_block pads to 4), and their
+// the next multiple of 16 repeat row n - 1 (load_block pads to 4), and their
 // scales and biases are 0. Returns the rows one block on, for the loops to
 // request from memory a row at a time (a burst of requests stalls on the
 // core's miss buffers); none for gathered rows.
@@ -660,7 +679,7 @@ Lookahead load_quantized_block(const DecodeArgs& a, int side, int b, int h, int 
     }
     rows[j] = copy;
   }
-  for (int j = n; j % 8 != 0; ++j) {
+  for (int j = n; j % 16 != 0; ++j) {
     rows[j] = rows[n - 1];
   }
   for (int kind = 0; kind < 2; ++kind) {
@@ -750,6 +769,20 @@ void score_quantized_block(const DecodeArgs& a, const float* qs, int b, int h, i
   const float* scales = s.sb.data();
   const float* biases = scales + scratch_groups(a) * kBlock;
   const int words = a.D * Bits / 32, group_size = a.quant.group_size;
+#if defined(MBD_KEYS_ACROSS_LANES)
+  if (Integer && keys_across_lanes(a.rows())) {
+    __m512i* kt = reinterpret_cast<__m512i*>(s.key_words.data());
+    for (int j = 0; j < n; j += 16) {
+      transpose_rows(rows + j, words, {ahead.offset, ahead.rows - j}, kt);
+      for_row_tiles<6>(0, a.rows(), [&]<int H>(int r) {
+        dot_keys_across_lanes<Bits, H>(qwords + r * Dp, Dp, kt, groups, group_size, sums + r * groups * kBlock + j,
+                                       kBlock);
+      });
+    }
+    integer_scores<Bits>(sums, qscale, qsum, scales, biases, a.rows(), groups, kBlock, n, scores);
+    return;
+  }
+#endif
 #if defined(MBD_INTEGER_SCORES)
   if constexpr (Integer) {
     // 8 (query row, key) sums per tile, for reduce_8: 4 rows x 2 keys, 2 x 4 or 1 x 8.
@@ -1010,7 +1043,8 @@ void attend_chunk(const DecodeArgs& a, const Chunk& c, PartialState* states, con
         quantized.qsum[r * groups + g] = std::accumulate(q, q + a.quant.group_size, 0.0f);
         if constexpr (kScoresOnIntegers<T>) {
           quantized.qscale[r * groups + g] =
-              query_words<Bits>(q, a.quant.group_size, quantized.qwords.data() + r * Dp + g * a.quant.group_size);
+              query_words<Bits>(q, a.quant.group_size, keys_across_lanes(a.rows()),
+                                quantized.qwords.data() + r * Dp + g * a.quant.group_size);
         }
       }
     }

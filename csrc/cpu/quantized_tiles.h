@@ -177,11 +177,12 @@ inline void dot_rows_quantized(
     (defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD))
 // Scores of 16-bit queries on the keys' integers: each query group as int16
 // words with a scale of its own (query_words), and the products summed
-// exactly in int32 over the group: AVX512-VNNI's vpdpwssd on 32 words of
-// keys widened to int16, AVX2's vpmaddwd and vpaddd on 16 (AVX-VNNI's
-// vpdpwssd in one; the same integers), or on arm64 sdot on 16 bytes of keys, twice: once with the
-// words' high bytes, once with their low ones (sdot multiplies signed bytes,
-// so 8-bit keys are centred, w - 128; integer_scores adds the 128 back).
+// exactly in int32 over the group: AVX512-VNNI's vpdpwssd on pairs of
+// words of 16 keys side by side, AVX2's vpmaddwd and vpaddd on 16 words of a
+// key (AVX-VNNI's vpdpwssd in one; the same integers), or on arm64 sdot on 16
+// bytes of a key, twice: once with the words' high bytes, once with their low
+// ones (sdot multiplies signed bytes, so 8-bit keys are centred, w - 128;
+// integer_scores adds the 128 back).
 // Exact enough: a query element is off by at most half its group's step,
 // max |q_g| / (2 kWordPeak) (below float16's own rounding for elements above
 // max |q_g| / 16), so |score error| <= sum_g max |q_g| / (2 kWordPeak) *
@@ -191,7 +192,8 @@ inline void dot_rows_quantized(
 #define MBD_INTEGER_SCORES 1
 inline constexpr bool kIntegerScores = true;
 
-// The width's primitives: wacc, the int32 sums of a tile's (query row, key)
+// Without AVX-512, the width's primitives for dot_rows_integer's tiles of
+// keys along the lanes: wacc, the int32 sums of a tile's (query row, key)
 // pairs; wquery, one chunk of a query row's words; wkey, one chunk of a key's
 // integers. wzero; wload, a chunk of words pinned in a register for the
 // tile's keys (see in_register); wdot, acc plus the chunk's products;
@@ -397,6 +399,106 @@ inline void reduce_8(const wacc (&v)[8], int32_t* out) {
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Work items of two query rows or more score 16 keys at a time with the keys
+// across the lanes (dot_keys_across_lanes): no reduction per (row, key),
+// where the tiles of keys along the lanes (dot_rows_integer) spent more
+// shuffles on their sums' reductions than on widening the keys. A single
+// row keeps the tiles: its reductions cost less than the transposes.
+#define MBD_KEYS_ACROSS_LANES 1
+
+inline bool keys_across_lanes(int rows) {
+  return rows >= 2;
+}
+
+// The uint32 words of 16 key rows side by side: out[m] lane j = word m of
+// rows[j] for m < words, out rounded up to 16 words (zeros past the row).
+// A 16 x 16 transpose per 16 words: 64 shuffles, in four steps. Each row's
+// 16 words are read with a request for the same words of its successor
+// (ahead; rows relative to rows[0]), spread over the transposes.
+inline void transpose_rows(const uint32_t* const* rows, int words, Lookahead ahead, __m512i* out) {
+  for (int c = 0; c < words; c += 16) {
+    const __mmask16 live = words - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (words - c)) - 1);
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) {
+      r[i] = _mm512_maskz_loadu_epi32(live, rows[i] + c);
+      if (i < ahead.rows) {
+        prefetch_l2(rows[i] + ahead.offset + c);
+      }
+    }
+    // t[2k] 128-bit lane L: words 4L, 4L + 1 of rows 2k, 2k + 1 interleaved; t[2k + 1] words 4L + 2, 4L + 3.
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    // u[4a + e] lane L: word 4L + e of rows 4a .. 4a + 3.
+    __m512i u[16];
+    for (int a = 0; a < 4; ++a) {
+      const __m512i* p = t + 4 * a;
+      u[4 * a] = _mm512_unpacklo_epi64(p[0], p[2]);
+      u[4 * a + 1] = _mm512_unpackhi_epi64(p[0], p[2]);
+      u[4 * a + 2] = _mm512_unpacklo_epi64(p[1], p[3]);
+      u[4 * a + 3] = _mm512_unpackhi_epi64(p[1], p[3]);
+    }
+    // Word 4L + e of all 16 rows: lane L of u[e], u[4 + e], u[8 + e], u[12 + e].
+    for (int e = 0; e < 4; ++e) {
+      const __m512i lo01 = _mm512_shuffle_i32x4(u[e], u[4 + e], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512i lo23 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512i hi01 = _mm512_shuffle_i32x4(u[e], u[4 + e], _MM_SHUFFLE(3, 2, 3, 2));
+      const __m512i hi23 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], _MM_SHUFFLE(3, 2, 3, 2));
+      _mm512_store_si512(out + c + e, _mm512_shuffle_i32x4(lo01, lo23, _MM_SHUFFLE(2, 0, 2, 0)));
+      _mm512_store_si512(out + c + 4 + e, _mm512_shuffle_i32x4(lo01, lo23, _MM_SHUFFLE(3, 1, 3, 1)));
+      _mm512_store_si512(out + c + 8 + e, _mm512_shuffle_i32x4(hi01, hi23, _MM_SHUFFLE(2, 0, 2, 0)));
+      _mm512_store_si512(out + c + 12 + e, _mm512_shuffle_i32x4(hi01, hi23, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+  }
+}
+
+// The integer dot products of H query rows, as int16 words qw [H, Dn]
+// (query_words, across lanes), with 16 keys transposed by transpose_rows (kt), per group:
+// sums[(h * groups + g) * sums_stride + j] = dot(qw_hg, w_jg) for j < 16,
+// exact. Per key word and query row, E / 2 vpdpwssd on a broadcast pair of
+// query words; each part of a key word is one shift and one mask.
+template <int Bits, int H>
+inline void dot_keys_across_lanes(const int16_t* qw, int Dn, const __m512i* kt, int groups, int group_size,
+                                  int32_t* sums, int sums_stride) {
+  constexpr int E = 32 / Bits, P = E / 2;
+  const __m512i mask = _mm512_set1_epi16((1 << Bits) - 1);
+  for (int g = 0; g < groups; ++g) {
+    // Two sums per row, even and odd parts: a row's vpdpwssd form two
+    // dependency chains, not one.
+    __m512i acc[H][2];
+    for (int h = 0; h < H; ++h) {
+      acc[h][0] = acc[h][1] = _mm512_setzero_si512();
+    }
+    // No int32 overflow: a whole group's sum is at most 128 * 255 * 32767 < 2^30.
+    for (int m = g * group_size / E; m < (g + 1) * group_size / E; ++m) {
+      const __m512i x = _mm512_load_si512(kt + m);
+      // Unrolled, so that the sums stay in registers.
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        const __m512i shifted = _mm512_srli_epi16(x, Bits * p);
+        const __m512i k = p == P - 1 ? shifted : _mm512_and_si512(shifted, mask);
+#pragma GCC unroll 8
+        for (int h = 0; h < H; ++h) {
+          // The pair of query words broadcast from memory within the
+          // instruction; GCC's intrinsic copied each sum to another register
+          // around every vpdpwssd (two moves per product in the loop).
+          const int16_t* pair = qw + h * Dn + E * m + 2 * p;
+          __m512i sum = acc[h][p % 2];
+          asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(k), "m"(*reinterpret_cast<const int32_t*>(pair)));
+          acc[h][p % 2] = sum;
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      _mm512_storeu_si512(sums + (h * groups + g) * sums_stride, _mm512_add_epi32(acc[h][0], acc[h][1]));
+    }
+  }
+}
+#endif
+
 // What widen_words takes off each 8-bit integer: 128 where the keys are read
 // as signed bytes (kSignedKeys: sdot), else 0.
 template <int Bits>
@@ -411,13 +513,25 @@ constexpr int word_position(int e) {
   return e - i + (Bits == 8 ? i : i / 2 + (i % 2) * (kWordLanes / 2));
 }
 
-// One group of a scaled float32 query row, q [group_size], as int16 words in
-// word_position order, each chunk packed (pack_words); returns the group's
-// scale (q ~ scale * words). A group of zeros has scale 0; a non-finite
-// element gives a NaN scale, so that the scores are NaN as the float32 loops'
-// would be.
+// Where element e of a row sits among the int16 words with keys across the
+// lanes (dot_keys_across_lanes): a key's uint32 word of E = 32 / Bits
+// integers is read as the int16 lanes of its two 16-bit halves, part p (p <
+// E / 2) holding elements p and p + E / 2 of the word (integer p of each
+// half); their query words lie side by side, a pair for one vpdpwssd lane.
 template <int Bits>
-inline float query_words(const float* q, int group_size, int16_t* words) {
+constexpr int across_lanes_position(int e) {
+  constexpr int E = 32 / Bits, P = E / 2;
+  const int i = e % E;
+  return e - i + 2 * (i % P) + i / P;
+}
+
+// One group of a scaled float32 query row, q [group_size], as int16 words in
+// word_position order, each chunk packed (pack_words), or in
+// across_lanes_position order; returns the group's scale (q ~ scale *
+// words). A group of zeros has scale 0; a non-finite element gives a NaN
+// scale, so that the scores are NaN as the float32 loops' would be.
+template <int Bits>
+inline float query_words(const float* q, int group_size, bool across_lanes, int16_t* words) {
   float peak = 0.0f;
 #pragma omp simd reduction(max : peak)
   for (int e = 0; e < group_size; ++e) {
@@ -431,9 +545,9 @@ inline float query_words(const float* q, int group_size, int16_t* words) {
   for (int e = 0; e < group_size; ++e) {
     // |q[e] * to_words| <= kWordPeak up to rounding: the clamp keeps it there.
     const float word = std::clamp(std::nearbyint(q[e] * to_words), -kWordPeak, kWordPeak);
-    words[word_position<Bits>(e)] = static_cast<int16_t>(word);
+    words[across_lanes ? across_lanes_position<Bits>(e) : word_position<Bits>(e)] = static_cast<int16_t>(word);
   }
-  for (int c = 0; c < group_size; c += kWordLanes) {
+  for (int c = 0; c < group_size && !across_lanes; c += kWordLanes) {
     pack_words(words + c);
   }
   return peak / kWordPeak;
@@ -524,6 +638,12 @@ inline void integer_scores(const int32_t* sums, const float* qscale, const float
 
 #else
 inline constexpr bool kIntegerScores = false;
+#endif
+
+#if !defined(MBD_KEYS_ACROSS_LANES)
+inline bool keys_across_lanes(int) {
+  return false;
+}
 #endif
 
 // Weighted value rows of integers into the rescaled accumulators of a tile of
