@@ -9,6 +9,7 @@ among them found before csrc/'s.
 
 import dataclasses
 import pathlib
+import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,13 +73,13 @@ def build_driver(target, name, mutant=None):
     out = target.build / name
     if mutant:
         copies = target.build / f"{name}-mutant"
+        # Emptied first: a header left by an earlier mutant would be found before csrc/'s.
+        shutil.rmtree(copies, ignore_errors=True)
         for path, text in mutant.items():
             (copies / path).parent.mkdir(parents=True, exist_ok=True)
             (copies / path).write_text(text)
-        (copies / "obj").mkdir(exist_ok=True)
         # Rebuilt every time: the cache cannot tell one mutant from another.
-        for stale in (copies / "obj").glob("*.o"):
-            stale.unlink()
+        (copies / "obj").mkdir()
         headers = {(REPO / "csrc" / path).resolve() for path in mutant if path.endswith(".h")}
         for i, source in enumerate(KERNEL, start=1):
             path = str(source.relative_to(REPO / "csrc"))
