@@ -546,8 +546,8 @@ inline constexpr bool kScoresOnIntegers = kIntegerScores && !std::is_same_v<T, f
 // biases, value scales, value biases; groups of the wider side, scratch_groups), the query rows' sums per group
 // [R, groups], for integer scores their int16 words [R, Dp] and scales
 // [R, groups] (query_words) and a block's integer dot products [R, groups,
-// kBlock] (dot_rows_integer), with keys across the lanes 16 keys' words
-// transposed (transpose_rows), and per block each row's weights times the value
+// kBlock] (dot_rows_integer), 16 keys' words transposed where keys lie across
+// the lanes (transpose_rows), and per block each row's weights times the value
 // scales [R, groups, kBlock] and weighted value biases [R, groups].
 struct QuantizedScratch {
   LineVector<uint32_t> words;

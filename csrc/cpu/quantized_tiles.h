@@ -220,9 +220,8 @@ inline void dot_rows_quantized(
 #define MBD_INTEGER_SCORES 1
 inline constexpr bool kIntegerScores = true;
 
-// Without AVX-512, the width's primitives for dot_rows_integer's tiles of
-// keys along the lanes: wacc, the int32 sums of a tile's (query row, key)
-// pairs; wquery, one chunk of a query row's words; wkey, one chunk of a key's
+// The width's primitives of dot_rows_integer (keys along the lanes): wacc,
+// the int32 sums of a tile's (query row, key) pairs; wquery, one chunk of a query row's words; wkey, one chunk of a key's
 // integers. wzero; wload, a chunk of words pinned in a register for the
 // tile's keys (see in_register); wdot, acc plus the chunk's products;
 // wreduce, the sum of an accumulator; pack_words, a chunk of words stored as
@@ -484,9 +483,9 @@ inline void transpose_rows(const uint32_t* const* rows, int words, Lookahead ahe
 }
 
 // The integer dot products of H query rows, as int16 words qw [H, Dn]
-// (query_words, across lanes), with 16 keys transposed by transpose_rows (kt), per group:
-// sums[(h * groups + g) * sums_stride + j] = dot(qw_hg, w_jg) for j < 16,
-// exact. Per key word and query row, E / 2 vpdpwssd on a broadcast pair of
+// (query_words in across_lanes_position order), with 16 keys transposed by
+// transpose_rows (kt), per group: sums[(h * groups + g) * sums_stride + j] =
+// dot(qw_hg, w_jg) for j < 16, exact. Per key word and query row, E / 2 vpdpwssd on a broadcast pair of
 // query words; each part of a key word is one shift and one mask.
 template <int Bits, int H>
 inline void dot_keys_across_lanes(const int16_t* qw, int Dn, const __m512i* kt, int groups, int group_size,
