@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests.support import native_drivers
+from tests.support.cpu_isa import cpu_flags
 
 ASAN = native_drivers.Target(
     "cpu-asan", "g++",
@@ -37,12 +38,7 @@ def require_toolchain():
 
 def require_avx512():
     require_toolchain()
-    flags = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+    flags = cpu_flags()
     if not AVX512_CPU_FLAGS <= flags:
         pytest.skip(f"this CPU lacks {sorted(AVX512_CPU_FLAGS - flags)}")
 

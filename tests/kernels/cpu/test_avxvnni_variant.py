@@ -15,14 +15,7 @@ import sys
 import pytest
 
 from mlx_batched_decode import _ext
-
-
-def cpu_flags():
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
+from tests.support.cpu_isa import cpu_flags
 
 
 @pytest.fixture(autouse=True)
