@@ -614,7 +614,7 @@ void widen_strided(const void* base, int64_t first, int64_t step, int n, float* 
 // cache, against 4% after).
 inline constexpr int kMaxGroups = 16;
 
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
 // Elements p[e] for e < 16 where bit e of live is set, else 0, as float32.
 template <typename S>
 inline __m512 widen_16(const S* p, __mmask16 live) {
@@ -630,7 +630,7 @@ inline __m512 widen_16(const S* p, __mmask16 live) {
 
 template <typename S>
 void widen_groups(const void* base, int64_t first, const int64_t* st, int n, int groups, float* out) {
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
   if (groups == 2 && st[3] == 1 && st[2] == 2) {
     // The block's 64 values in four registers, split into even and odd elements.
     const S* x = static_cast<const S*>(base) + first;
