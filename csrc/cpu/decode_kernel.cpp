@@ -637,9 +637,9 @@ void widen_groups(const void* base, int64_t first, const int64_t* st, int n, int
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int j = 0; j < kBlock; j += 16) {
-      const int count = std::clamp(2 * (n - j), 0, 32);
-      const __m512 lo = widen_16(x + 2 * j, static_cast<__mmask16>((1u << std::min(count, 16)) - 1));
-      const __m512 hi = widen_16(x + 2 * j + 16, static_cast<__mmask16>((1u << std::max(count - 16, 0)) - 1));
+      const int count = 2 * (n - j);
+      const __m512 lo = widen_16(x + 2 * j, first_lanes(count));
+      const __m512 hi = widen_16(x + 2 * j + 16, first_lanes(count - 16));
       _mm512_storeu_ps(out + j, _mm512_permutex2var_ps(lo, even, hi));
       _mm512_storeu_ps(out + kBlock + j, _mm512_permutex2var_ps(lo, odd, hi));
     }

@@ -120,6 +120,13 @@ inline qvec widen(const uint32_t* row, int i) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// The mask of lanes 0 .. k - 1 of 16 (none for k <= 0, all for k >= 16).
+inline __mmask16 first_lanes(int k) {
+  return static_cast<__mmask16>((1u << std::clamp(k, 0, 16)) - 1);
+}
+#endif
+
 // Elements i .. i + W * kLanes - 1 (i a multiple of W * kLanes) of a row of
 // Bits-wide integers as float32, v[W]. On AVX-512, 4-bit integers 32 at a
 // time: their 16 bytes widened once, each nibble looked up in a table of 0
@@ -221,8 +228,8 @@ inline void dot_rows_quantized(
 inline constexpr bool kIntegerScores = true;
 
 // The width's primitives of dot_rows_integer (keys along the lanes): wacc,
-// the int32 sums of a tile's (query row, key) pairs; wquery, one chunk of a query row's words; wkey, one chunk of a key's
-// integers. wzero; wload, a chunk of words pinned in a register for the
+// the int32 sums of a tile's (query row, key) pairs; wquery, one chunk of a
+// query row's words; wkey, one chunk of a key's integers. wzero; wload, a chunk of words pinned in a register for the
 // tile's keys (see in_register); wdot, acc plus the chunk's products;
 // wreduce, the sum of an accumulator; pack_words, a chunk of words stored as
 // wload reads it (in place); widen_words, elements i .. i +
@@ -445,7 +452,7 @@ inline bool keys_across_lanes(int rows) {
 // (ahead; rows relative to rows[0]), spread over the transposes.
 inline void transpose_rows(const uint32_t* const* rows, int words, Lookahead ahead, __m512i* out) {
   for (int c = 0; c < words; c += 16) {
-    const __mmask16 live = words - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (words - c)) - 1);
+    const __mmask16 live = first_lanes(words - c);
     __m512i r[16];
     for (int i = 0; i < 16; ++i) {
       r[i] = _mm512_maskz_loadu_epi32(live, rows[i] + c);
@@ -485,8 +492,9 @@ inline void transpose_rows(const uint32_t* const* rows, int words, Lookahead ahe
 // The integer dot products of H query rows, as int16 words qw [H, Dn]
 // (query_words in across_lanes_position order), with 16 keys transposed by
 // transpose_rows (kt), per group: sums[(h * groups + g) * sums_stride + j] =
-// dot(qw_hg, w_jg) for j < 16, exact. Per key word and query row, E / 2 vpdpwssd on a broadcast pair of
-// query words; each part of a key word is one shift and one mask.
+// dot(qw_hg, w_jg) for j < 16, exact. Per key word and query row, E / 2
+// vpdpwssd on a broadcast pair of query words; each part of a key word is one
+// shift and one mask.
 template <int Bits, int H>
 inline void dot_keys_across_lanes(const int16_t* qw, int Dn, const __m512i* kt, int groups, int group_size,
                                   int32_t* sums, int sums_stride) {
@@ -683,10 +691,9 @@ inline float weigh_values(const float* w, const float* s, const float* b, int n,
 #if defined(__AVX512F__)
   __m512 sum = _mm512_setzero_ps();
   for (int j = 0; j < n; j += 16) {
-    const __mmask16 use = static_cast<__mmask16>((n - j >= 16 ? 0xFFFFu : (1u << (n - j)) - 1) & (in >> j));
+    const __mmask16 live = first_lanes(n - j), use = live & static_cast<__mmask16>(in >> j);
     const __m512 wj = _mm512_maskz_loadu_ps(use, w + j);
-    _mm512_mask_storeu_ps(ws + j, static_cast<__mmask16>((1u << std::min(n - j, 16)) - 1),
-                          _mm512_mul_ps(wj, _mm512_maskz_loadu_ps(use, s + j)));
+    _mm512_mask_storeu_ps(ws + j, live, _mm512_mul_ps(wj, _mm512_maskz_loadu_ps(use, s + j)));
     sum = _mm512_fmadd_ps(wj, _mm512_maskz_loadu_ps(use, b + j), sum);
   }
   return _mm512_reduce_add_ps(sum);
