@@ -25,10 +25,17 @@ reference_attention on the dequantized keys and values.
 Out-of-cache rotation: each kernel runs over copies of the case's cache ("layers", as a
 model's layers) that together hold at least 3x the last-level cache, so that no call finds
 its bytes in cache; the JSON records the LLC size and the bytes each kernel rotates.
+
+Every layer's arrays (packed words, scales and biases; the float16 cache alike) live on
+transparent huge pages, as QuantizedKVCache and SlotKVCache keep them on Linux
+(mlx_batched_decode.advise_huge_pages); --small-pages leaves them on MLX's default 4 KiB pages,
+where each new page of a stream can cost a page walk. Each row records the fraction of its bytes
+that sat on huge pages.
 The read bandwidth and FMA peak are benchmarks/common.py's Floors (the extension's native probes).
 
     python benchmarks/bench_quantized.py            # both cases (a few minutes)
     python benchmarks/bench_quantized.py --quick    # 128 MiB rotation, 3 repeats, no mlx-lm (< 1 minute)
+    python benchmarks/bench_quantized.py --quick --small-pages   # the same on 4 KiB pages
 """
 
 import argparse
@@ -80,13 +87,19 @@ def nbytes(arrays):
     return sum(a.nbytes for a in arrays)
 
 
+def on_huge_pages(layers, huge_pages):
+    """Advise every layer's arrays onto huge pages where asked; the fraction of their bytes placed."""
+    placed = sum(mbd.advise_huge_pages(a) for arrays in layers for a in arrays) if huge_pages else 0
+    return placed / sum(nbytes(arrays) for arrays in layers)
+
+
 def mlx_lm_attention():
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     return quantized_scaled_dot_product_attention
 
 
-def run_case(case, rotate_bytes, repeats, floors, with_peer):
+def run_case(case, rotate_bytes, repeats, floors, with_peer, huge_pages):
     (H_Q, H_KV, D), targets = CASES[case]
     lens_np = lengths(case)
     B, T = len(lens_np), int(lens_np.max())
@@ -107,6 +120,8 @@ def run_case(case, rotate_bytes, repeats, floors, with_peer):
         triple = [*mx.quantize(k, group_size=GROUP, bits=bits), *mx.quantize(v, group_size=GROUP, bits=bits)]
         mx.eval(triple)
         quantized[bits] = copies(triple, max(1, math.ceil(rotate_bytes / nbytes(triple))))
+    huge = {"float16": on_huge_pages(dense, huge_pages),
+            **{f"q{bits}": on_huge_pages(quantized[bits], huge_pages) for bits in (8, 4)}}
 
     def ours(bits, layers):
         return [mbd.quantized_batched_decode_attention(q, tuple(a[:3]), tuple(a[3:]), lens, group_size=GROUP,
@@ -162,7 +177,7 @@ def run_case(case, rotate_bytes, repeats, floors, with_peer):
             "case": case, "heads": [H_Q, H_KV, D], "B": B, "kernel": name, "ms": t * 1e3,
             "gbs": valid * row_bytes / t / 1e9, "valid_bytes": valid * row_bytes, "layers": layers[name],
             "bytes_rotated": nbytes(dense[0]) * len(dense) if bits == 16 else nbytes(quantized[bits][0]) * layers[name],
-            "max_err": err,
+            "kv_on_huge_pages": huge["float16" if bits == 16 else f"q{bits}"], "max_err": err,
         }
         work = decode_work(int(lens_np.sum()), H_Q, D, q.dtype, group=H_Q // H_KV, bits=None if bits == 16 else bits)
         row |= floors.columns(t, valid * row_bytes, work)
@@ -186,18 +201,19 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help="rotate 1x the LLC (at most 128 MiB), 3 repeats, no mlx-lm peer (seconds per call)")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--small-pages", action="store_true", help="leave the caches on 4 KiB pages (no advise_huge_pages)")
     parser.add_argument("--output", help="results/<name>.json (default quantized, or quantized_quick)")
     args = parser.parse_args()
     llc = llc_bytes()
     rotate = min(llc, 128 << 20) if args.quick else 3 * llc
     repeats = 3 if args.quick else 11
     floors = Floors()
-    info = machine() | floors.describe
+    info = machine() | {"kv_pages": "small" if args.small_pages else "huge"} | floors.describe
     print(describe_machine(info))
     print(floors.header(), flush=True)
     rows = []
     for case in args.cases:
-        rows += run_case(case, rotate, repeats, floors, with_peer=not args.quick)
+        rows += run_case(case, rotate, repeats, floors, with_peer=not args.quick, huge_pages=not args.small_pages)
         print(f"{case}: " + ", ".join(f"{r['kernel']} {r['ms']:.3f} ms" for r in rows if r["case"] == case), flush=True)
         mx.clear_cache()
     print_table(rows, [
