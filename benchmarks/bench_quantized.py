@@ -25,13 +25,13 @@ reference_attention on the dequantized keys and values.
 Out-of-cache rotation: each kernel runs over copies of the case's cache ("layers", as a
 model's layers) that together hold at least 3x the last-level cache, so that no call finds
 its bytes in cache; the JSON records the LLC size and the bytes each kernel rotates.
+The read bandwidth and FMA peak are benchmarks/common.py's Floors (the extension's native probes).
 
 Every layer's arrays (packed words, scales and biases; the float16 cache alike) live on
 transparent huge pages, as QuantizedKVCache and SlotKVCache keep them on Linux
 (mlx_batched_decode.advise_huge_pages); --small-pages leaves them on MLX's default 4 KiB pages,
 where each new page of a stream can cost a page walk. Each row records the fraction of its bytes
 that sat on huge pages.
-The read bandwidth and FMA peak are benchmarks/common.py's Floors (the extension's native probes).
 
     python benchmarks/bench_quantized.py            # both cases (a few minutes)
     python benchmarks/bench_quantized.py --quick    # 128 MiB rotation, 3 repeats, no mlx-lm (< 1 minute)
@@ -201,7 +201,8 @@ def main():
     parser.add_argument("--quick", action="store_true",
                         help="rotate 1x the LLC (at most 128 MiB), 3 repeats, no mlx-lm peer (seconds per call)")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--small-pages", action="store_true", help="leave the caches on 4 KiB pages (no advise_huge_pages)")
+    parser.add_argument("--small-pages", action="store_true",
+                        help="leave the caches on 4 KiB pages (no advise_huge_pages)")
     parser.add_argument("--output", help="results/<name>.json (default quantized, or quantized_quick)")
     args = parser.parse_args()
     llc = llc_bytes()
