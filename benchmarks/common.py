@@ -50,15 +50,16 @@ def decode_work(keys, heads_q, head_dim, dtype, rows=1, group=1, bits=None, isa=
     dot product (`bf16_dot`) and so its values where the head dim is a fast one and a multiple of
     32; on the AMX variant, 16-bit items of at least 12 (float16) or 8 (bfloat16) query rows
     (group x rows) on `amx_bf16`; quantized keys (`bits`) with 16-bit queries scored on
-    `int16_dot` (vpdpwssd) in the AVX-512 variants below the rows that dequantize blocks (16 at 8
-    bits, 8 at 4); everything else on float32 FMAs (`fma32`). dtype: the queries' (an mx dtype)."""
+    `int16_dot` (vpdpwssd) in the AVX-512 variants below the rows that dequantize blocks (32 at 8
+    bits, 24 at 4 there); everything else on float32 FMAs (`fma32`). dtype: the queries' (an mx
+    dtype)."""
     isa = isa or _ext.cpu_isa()
     half = decode_multiply_adds(keys, heads_q, head_dim, rows) // 2
     item_rows = group * rows
     sixteen_bit = dtype in (mx.float16, mx.bfloat16)
     scores = values = "fma32"
     if bits is not None:
-        if sixteen_bit and isa in ("avx512bf16", "avx512fp16", "amx") and item_rows < (16 if bits == 8 else 8):
+        if sixteen_bit and isa in ("avx512bf16", "avx512fp16", "amx") and item_rows < (32 if bits == 8 else 24):
             scores = "int16_dot"
     elif isa == "amx" and sixteen_bit and item_rows >= (12 if dtype == mx.float16 else 8):
         scores = values = "amx_bf16"

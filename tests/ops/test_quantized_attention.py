@@ -140,8 +140,9 @@ def test_values_of_their_own_head_dim(dtype, D, Dv, group_size, bits, kernel_cal
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("D,Dv,G,L", [(128, 128, 8, 3), (64, 64, 16, 1), (192, 128, 4, 5), (96, 64, 32, 1)])
 def test_many_query_rows_read_each_block_dequantized_once(dtype, D, Dv, G, L, bits, kernel_calls):
-    """Work items of 16 query rows or more (8 at 4 bits) read each block's rows dequantized once
-    (the CPU kernel's dequantize_block): windows, starts, sinks and NaN in unread positions."""
+    """Work items of many query rows read each block's rows dequantized once (the CPU kernel's
+    dequantize_block: 16 rows or more at 8 bits, 8 at 4; 32 and 24 on AVX-512), the others score
+    the integers: windows, starts, sinks and NaN in unread positions on both."""
     starts = [0, 0, 12, 30, 60, 5]
     sinks = mx.array(np.random.default_rng(G).standard_normal(2 * G).astype(np.float32))
     for n, (kv_starts, window, sink) in enumerate([(None, None, None), (starts, 9, sinks), (starts, 40, None)]):
@@ -255,8 +256,8 @@ def test_every_instruction_set(isa):
     previous = mbd._ext.cpu_isa()
     mbd._ext.set_cpu_isa(isa)
     try:
-        # 4 query rows per item, and 16 (each block dequantized once).
-        for bits, (D, Dv), G in itertools.product((4, 8), ((128, 128), (576, 512)), (4, 16)):
+        # 4 query rows per item, and 32 (each block dequantized once on every variant).
+        for bits, (D, Dv), G in itertools.product((4, 8), ((128, 128), (576, 512)), (4, 32)):
             q, kq, vq, k_nan, v_nan = case(mx.float16, D, G, 1, 64, bits, seed=bits, Dv=Dv)
             out = mbd.quantized_batched_decode_attention(q, k_nan, v_nan, mx.array(LENGTHS), bits=bits)
             check(out, expected(q, kq, vq, LENGTHS, 64, bits), mx.float16)

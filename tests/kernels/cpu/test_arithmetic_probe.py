@@ -113,9 +113,11 @@ def test_arithmetic_floors_follow_the_kernels_instructions():
         assert work(10, 32, 128, mx.bfloat16, group=4, isa=isa) == {"fma32": 2 * half}
     assert work(10, 32, 128, mx.float16, group=4, isa="avx512bf16") == {"fma32": 2 * half}
     assert work(10, 32, 128, mx.float16, group=4, bits=8, isa="avx512bf16") == {"int16_dot": half, "fma32": half}
-    # Items of many rows dequantize blocks (16 at 8 bits, 8 at 4) and run the float kernels.
-    assert work(10, 32, 128, mx.float16, rows=4, group=4, bits=8, isa="avx512bf16") == {"fma32": 2 * half * 4}
-    assert work(10, 32, 128, mx.float16, rows=2, group=4, bits=4, isa="avx512bf16") == {"fma32": 2 * half * 2}
+    # Items of many rows dequantize blocks (on AVX-512 32 at 8 bits, 24 at 4) and run the float kernels.
+    assert work(10, 32, 128, mx.float16, rows=8, group=4, bits=8, isa="avx512bf16") == {"fma32": 2 * half * 8}
+    assert work(10, 32, 128, mx.float16, rows=6, group=4, bits=4, isa="avx512bf16") == {"fma32": 2 * half * 6}
+    assert work(10, 32, 128, mx.float16, rows=5, group=4, bits=4, isa="avx512bf16") == {"int16_dot": half * 5,
+                                                                                        "fma32": half * 5}
     assert work(10, 32, 128, mx.float32, group=4, bits=8, isa="avx512bf16") == {"fma32": 2 * half}
     assert work(10, 32, 128, mx.float16, rows=3, group=4, isa="amx") == {"amx_bf16": 2 * half * 3}
     assert work(10, 32, 128, mx.float16, rows=2, group=4, isa="amx") == {"fma32": 2 * half * 2}
