@@ -4,9 +4,12 @@ quantization, and against mlx-lm's quantized_scaled_dot_product_attention (mx.qu
 with a boolean mask) on the same quantized inputs. mlx-lm's path takes tens of seconds per call
 on MLX's CPU backend here, so it is timed once, on one layer, outside the turns.
 
-Cases (Llama-3-8B heads: 32 query heads, 8 KV heads, D = 128, float16 queries):
-  b8     B = 8, lengths 512-2048 (the same draw as bench_kernel.py)
-  b1-8k  B = 1, 8192 keys
+Cases (Llama-3-8B heads: 32 query heads, 8 KV heads, D = 128, float16 queries, one query row
+per request, unless said):
+  b8      B = 8, lengths 512-2048 (the same draw as bench_kernel.py)
+  b1-8k   B = 1, 8192 keys
+  b8-mha  as b8 with 16 query and 16 KV heads of D = 64
+  b8-l4   as b8 with L = 4 query rows per request (a token and 3 drafts: 16 rows per KV head)
 
 Per row: median ms per layer call; GB/s of the valid cache bytes each kernel reads
 (sum_b len_b * H_kv * 2 * bytes per row: D * 2 for float16; D * bits / 8 packed plus
@@ -60,11 +63,13 @@ from common import (
 
 GROUP = 64
 LLAMA3_8B, MHA = (32, 8, 128), (16, 16, 64)
-# Per case: heads (H_q, H_kv, D) and the speedups over float16 each width must reach.
+# Per case: heads (H_q, H_kv, D), query rows per request L and the speedups over float16 each
+# width must reach.
 CASES = {
-    "b8": (LLAMA3_8B, {8: 1.3, 4: 1.5}),
-    "b1-8k": (LLAMA3_8B, {8: 1.3, 4: 1.5}),
-    "b8-mha": (MHA, {8: 1.7, 4: 2.5}),
+    "b8": (LLAMA3_8B, 1, {8: 1.3, 4: 1.5}),
+    "b1-8k": (LLAMA3_8B, 1, {8: 1.3, 4: 1.5}),
+    "b8-mha": (MHA, 1, {8: 1.7, 4: 2.5}),
+    "b8-l4": (LLAMA3_8B, 4, {8: 1.3, 4: 1.5}),
 }
 
 
@@ -100,15 +105,17 @@ def mlx_lm_attention():
 
 
 def run_case(case, rotate_bytes, repeats, floors, with_peer, huge_pages):
-    (H_Q, H_KV, D), targets = CASES[case]
+    (H_Q, H_KV, D), L, targets = CASES[case]
     lens_np = lengths(case)
     B, T = len(lens_np), int(lens_np.max())
     lens = mx.array(lens_np, dtype=mx.int32)
     scale = 1.0 / math.sqrt(D)
-    q = mx.random.normal((B, H_Q, 1, D)).astype(mx.float16)
+    q = mx.random.normal((B, H_Q, L, D)).astype(mx.float16)
     k = mx.random.normal((B, H_KV, T, D)).astype(mx.float16)
     v = mx.random.normal((B, H_KV, T, D)).astype(mx.float16)
-    mask = (mx.arange(T)[None, :] < lens[:, None])[:, None, None, :]
+    # Row l of L sits at position len - L + l and sees the keys up to it.
+    ends = lens[:, None, None] - L + 1 + mx.arange(L)[None, :, None]
+    mask = (mx.arange(T)[None, None, :] < ends)[:, None]
     mx.eval(q, k, v, mask)
     peer = mlx_lm_attention()
     valid = int(lens_np.sum()) * H_KV * 2  # K and V rows read
@@ -174,12 +181,13 @@ def run_case(case, rotate_bytes, repeats, floors, with_peer, huge_pages):
         t = seconds[name] / layers[name]
         err = mx.abs(got[name].astype(mx.float32) - want[name]).max().item()
         row = {
-            "case": case, "heads": [H_Q, H_KV, D], "B": B, "kernel": name, "ms": t * 1e3,
+            "case": case, "heads": [H_Q, H_KV, D], "B": B, "L": L, "kernel": name, "ms": t * 1e3,
             "gbs": valid * row_bytes / t / 1e9, "valid_bytes": valid * row_bytes, "layers": layers[name],
             "bytes_rotated": nbytes(dense[0]) * len(dense) if bits == 16 else nbytes(quantized[bits][0]) * layers[name],
             "kv_on_huge_pages": huge["float16" if bits == 16 else f"q{bits}"], "max_err": err,
         }
-        work = decode_work(int(lens_np.sum()), H_Q, D, q.dtype, group=H_Q // H_KV, bits=None if bits == 16 else bits)
+        work = decode_work(int(lens_np.sum()), H_Q, D, q.dtype, rows=L, group=H_Q // H_KV,
+                           bits=None if bits == 16 else bits)
         row |= floors.columns(t, valid * row_bytes, work)
         row["frac_bw"] = row["gbs"] / row["bw_gbs"]
         if name in hot:
