@@ -739,8 +739,8 @@ inline void prefetch_packed_row(const uint32_t* row, int j, int words, Lookahead
 // per block rather than once per tile of query rows. Measured on AVX2 at head
 // dims 128 and 512: faster from 16 rows at 8 bits, from 8 at 4 bits (whose
 // widening costs more), slower below. With the keys scored across the lanes
-// (AVX-512) the integers cost less: dequantized blocks were 10% slower at 16
-// and 24 rows (8-bit) and 8-30% at 8-16 (4-bit), level at 32 and 24 (AMD EPYC
+// (AVX-512) the integers cost less: dequantized blocks were 9-14% slower at 16
+// and 24 rows (8-bit) and 8-44% at 8-16 (4-bit), level at 32 and 24 (AMD EPYC
 // Zen 4, head dim 128).
 template <int Bits>
 #if defined(MBD_KEYS_ACROSS_LANES)
