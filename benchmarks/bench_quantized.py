@@ -135,7 +135,9 @@ def run_case(case, rotate_bytes, repeats, floors, with_peer, huge_pages):
                                                        bits=bits) for a in layers]
 
     def theirs(bits, layers):
-        return [peer(q, tuple(a[:3]), tuple(a[3:]), scale, mask, group_size=GROUP, bits=bits) for a in layers]
+        # mlx-lm scales the queries it is given in place (queries *= scale): each call gets its own.
+        return [peer(mx.array(q), tuple(a[:3]), tuple(a[3:]), scale, mask, group_size=GROUP, bits=bits)
+                for a in layers]
 
     fns = {
         "float16": lambda: mx.eval([mbd.batched_decode_attention(q, a[0], a[1], lens) for a in dense]),
