@@ -131,10 +131,15 @@ def test_unknown_units_and_widths_are_refused(unit, width):
 
 
 def test_every_unit_rates_positive_and_alike_in_two_runs():
-    # Medians of 5 runs each, twice: a shared machine's noise stays well inside 2x.
+    # Medians of 5 runs each, twice. A 2-core VM can lose a core to another tenant for a whole
+    # measurement, which halves its rates (58.4 against 116.7 G/s seen in CI): a unit whose two
+    # runs differ by 2x or more is measured a third time, and that must agree with one of them.
     first, second = arithmetic_peaks(), arithmetic_peaks()
     assert set(first) == set(second) and "fma32/baseline" in first
+    third = None
     for unit in first:
         assert 0.1 < first[unit] < 1e6, f"{unit}: {first[unit]} G multiply-adds/s no CPU has"
-        ratio = first[unit] / second[unit]
-        assert 0.5 < ratio < 2, f"{unit}: {first[unit]:.1f} vs {second[unit]:.1f} G multiply-adds/s"
+        if not 0.5 < first[unit] / second[unit] < 2:
+            third = third or arithmetic_peaks()
+            assert any(0.5 < third[unit] / run[unit] < 2 for run in (first, second)), (
+                f"{unit}: {first[unit]:.1f}, {second[unit]:.1f} and {third[unit]:.1f} G multiply-adds/s")
