@@ -227,16 +227,16 @@ inline void dot_rows_quantized(
 #define MBD_INTEGER_SCORES 1
 inline constexpr bool kIntegerScores = true;
 
-// The width's primitives of dot_rows_integer (keys along the lanes): wacc,
-// the int32 sums of a tile's (query row, key) pairs; wquery, one chunk of a
-// query row's words; wkey, one chunk of a key's integers. wzero; wload, a chunk of words pinned in a register for the
-// tile's keys (see in_register); wdot, acc plus the chunk's products;
-// wreduce, the sum of an accumulator; pack_words, a chunk of words stored as
-// wload reads it (in place); widen_words, elements i .. i +
-// kWordLanes - 1 (i a multiple of kWordLanes) of a row of Bits-wide integers
-// in word_position order; reduce_8, out[i] = wreduce(v[i]) for i < 8, cheaper
-// than 8 wreduce. kWordLanes: elements per chunk; every group size (32, 64,
-// 128) is a multiple. kWordPeak: the largest word. kSignedKeys: whether
+// The width's primitives of dot_rows_integer (keys along the lanes): wacc, the
+// int32 sums of a tile's (query row, key) pairs; wquery, one chunk of a query
+// row's words; wkey, one chunk of a key's integers. wzero; wload, a chunk of
+// words pinned in a register for the tile's keys (see in_register); wdot, acc
+// plus the chunk's products; wreduce, the sum of an accumulator; pack_words, a
+// chunk of words stored as wload reads it (in place); widen_words, elements i
+// .. i + kWordLanes - 1 (i a multiple of kWordLanes) of a row of Bits-wide
+// integers in word_position order; reduce_8, out[i] = wreduce(v[i]) for i < 8,
+// cheaper than 8 wreduce. kWordLanes: elements per chunk; every group size (32,
+// 64, 128) is a multiple. kWordPeak: the largest word. kSignedKeys: whether
 // widen_words gives signed bytes (8-bit keys centred).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 typedef __m512i wvec;
